@@ -125,3 +125,32 @@ def length_columns(tokenizer, messages_col: Sequence[str], reference_col: Sequen
             out["num_loss_tokens"].append(int(mask.sum()))
             out["truncated"].append(n > max_seq_len)
     return out
+
+
+def load_tokenizer(target):
+    """The target's tokenizer (with its chat template); builds the tiny target on first use."""
+    from transformers import AutoTokenizer
+
+    from eagle_ray.config import resolve_target_path
+
+    return AutoTokenizer.from_pretrained(str(resolve_target_path(target)),
+                                         revision=target.revision,
+                                         trust_remote_code=target.trust_remote_code)
+
+
+def length_annotator(recipe):
+    """An `ingest(annotate=...)` callback adding token-count columns with the recipe's tokenizer."""
+    import pyarrow as pa
+
+    tokenizer = load_tokenizer(recipe.target)
+
+    def annotate(table: pa.Table) -> pa.Table:
+        cols = length_columns(tokenizer, table.column("messages").to_pylist(),
+                              table.column("reference").to_pylist(), recipe.data.max_seq_len)
+        types = {"prompt_tokens": pa.int32(), "num_tokens": pa.int32(),
+                 "num_loss_tokens": pa.int32(), "truncated": pa.bool_()}
+        for name, values in cols.items():
+            table = table.append_column(name, pa.array(values, type=types[name]))
+        return table
+
+    return annotate

@@ -1,0 +1,16 @@
+.PHONY: setup demo test bench
+# Ray's anonymous usage stats stay off; vLLM must not reach for a model hub.
+export RAY_USAGE_STATS_ENABLED=0
+export HF_HUB_OFFLINE=1
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/python -m jobs.end_to_end --out out/demo
+
+test: setup
+	.venv/bin/python -m pytest -q tests
+
+bench: setup
+	.venv/bin/python bench/bench_ingest_stats.py

@@ -1,0 +1,147 @@
+"""`eagle-ray` command line: parse arguments, build a config, call the package.
+
+No logic lives here. Heavy imports (torch, transformers, vllm, ray) happen inside the
+commands so `eagle-ray --help` is instant. User errors (bad input, bad --set, missing
+files) print one clear line and exit 2; they never print a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+
+def _recipe(args):
+    from eagle_ray.config import load_recipe
+
+    return load_recipe(args.recipe, args.set)
+
+
+def _add_recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", default="tiny_cpu", help="named recipe (default: tiny_cpu)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override a recipe field, e.g. --set storage.dtype=fp8_e4m3 (repeatable)")
+
+
+def cmd_tiny_target(args) -> int:
+    from eagle_ray.tiny.target import build_tiny_target
+
+    out = Path(args.out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty; choose a new directory")
+    stats = build_tiny_target(out, seed=args.seed)
+    print(json.dumps(stats, indent=2))
+    return 0
+
+
+def cmd_recipes(args) -> int:
+    from eagle_ray.config import RECIPES, load_recipe
+
+    if args.name:
+        print(load_recipe(args.name, args.set).to_json())
+    else:
+        for name, fn in RECIPES.items():
+            print(f"{name:<18} {(fn.__doc__ or '').strip().splitlines()[0]}")
+    return 0
+
+
+def cmd_ingest(args) -> int:
+    from eagle_ray.data.ingest import SourceSpec, ingest
+    from eagle_ray.data.tokenize import length_annotator
+
+    sources = [SourceSpec.parse(s) for s in args.input]
+    annotate = None if args.no_lengths else length_annotator(_recipe(args))
+    res = ingest(sources, args.out, seed=args.seed, annotate=annotate,
+                 progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    for src, c in res.per_source.items():
+        print(f"{src}: " + ", ".join(f"{k} {v:,}" for k, v in c.items()))
+    print(f"accepted {res.accepted:,} + duplicates {res.duplicates:,} + rejected {res.rejected:,} "
+          f"+ sampled out {res.sampled_out:,} = lines read {res.lines_read:,}")
+    if res.reject_reasons:
+        print("rejects by reason: " + ", ".join(f"{k} {v:,}" for k, v in sorted(res.reject_reasons.items())))
+    print(f"wrote {res.out_dir}/prompts.parquet (rejects: {res.out_dir}/rejects.jsonl)")
+    if res.accepted == 0:
+        print("error: no sample was accepted; see rejects.jsonl", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_stats(args) -> int:
+    from eagle_ray.data.stats import compute_stats, format_stats
+
+    stats = compute_stats(args.path)
+    print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from eagle_ray.plan.budget import format_plan, plan_from_recipe, plan_from_stats
+
+    recipe = _recipe(args)
+    if args.stats:
+        from eagle_ray.data.stats import compute_stats, token_lengths
+
+        plan = plan_from_stats(recipe, compute_stats(args.stats), token_lengths(args.stats).to_numpy(),
+                               out_dir=args.out)
+    else:
+        plan = plan_from_recipe(recipe, out_dir=args.out)
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 0 if plan.fits else 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eagle-ray", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("tiny-target", help="build the tiny local target model + tokenizer")
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_tiny_target)
+
+    p = sub.add_parser("recipes", help="list recipes, or print one resolved (with --set)")
+    p.add_argument("name", nargs="?")
+    p.add_argument("--set", action="append", default=[])
+    p.set_defaults(fn=cmd_recipes)
+
+    p = sub.add_parser("ingest", help="validate, split, dedupe and mix conversation logs")
+    p.add_argument("--input", action="append", required=True, metavar="PATH[:COUNT_OR_FRACTION]",
+                   help="JSONL source; repeat to mix (data.jsonl:1000 = 1000 samples, :0.5 = half)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-lengths", action="store_true",
+                   help="skip token counting (stats and plan then need a later stage's table)")
+    _add_recipe_args(p)
+    p.set_defaults(fn=cmd_ingest)
+
+    p = sub.add_parser("stats", help="token statistics of an ingested/generated/extracted table")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_stats)
+
+    p = sub.add_parser("plan", help="hidden-state storage and data-scale plan for a recipe")
+    _add_recipe_args(p)
+    p.add_argument("--stats", help="a table or directory from ingest (sample count and lengths)")
+    p.add_argument("--out", help="where the store will be written (default: storage.out_dir)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+            PermissionError) as e:
+        print(f"eagle-ray {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

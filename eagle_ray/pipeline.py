@@ -1,0 +1,61 @@
+"""The end-to-end pipeline, stage by stage (the job in jobs/end_to_end.py calls this).
+
+Stages so far: target (build the tiny target on first use) -> ingest -> stats -> plan.
+Each stage writes under OUT/<stage>/ and can be re-run on its own with the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from eagle_ray.config import Recipe, resolve_target_path
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SAMPLE_DATA = [str(REPO_ROOT / "examples" / "data" / "personal.jsonl"),
+               str(REPO_ROOT / "examples" / "data" / "general_sharegpt.jsonl") + ":600"]
+
+
+def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> dict:
+    from eagle_ray.data.ingest import SourceSpec, ingest
+    from eagle_ray.data.stats import compute_stats, format_stats, token_lengths
+    from eagle_ray.data.tokenize import length_annotator
+    from eagle_ray.plan.budget import format_plan, plan_from_stats
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+
+    t0 = time.time()
+    target_dir = resolve_target_path(recipe.target)
+    timings["target"] = time.time() - t0
+    logger.info("target: %s", target_dir)
+
+    t0 = time.time()
+    res = ingest([SourceSpec.parse(s) for s in inputs], out / "ingest", seed=recipe.data.seed,
+                 annotate=length_annotator(recipe), progress=logger.info)
+    timings["ingest"] = time.time() - t0
+    print(f"ingest: accepted {res.accepted:,} + duplicates {res.duplicates:,} + rejected "
+          f"{res.rejected:,} + sampled out {res.sampled_out:,} = lines read {res.lines_read:,}")
+    if res.accepted == 0:
+        raise ValueError("no sample was accepted; see " + str(out / "ingest" / "rejects.jsonl"))
+
+    t0 = time.time()
+    stats = compute_stats(out / "ingest")
+    timings["stats"] = time.time() - t0
+    print(format_stats(stats))
+
+    plan = plan_from_stats(recipe, stats, token_lengths(out / "ingest").to_numpy(),
+                           out_dir=recipe.storage.out_dir)
+    print(format_plan(plan))
+    summary = {"recipe": recipe.to_dict(), "target_dir": str(target_dir),
+               "ingest": {k: getattr(res, k) for k in
+                          ("lines_read", "accepted", "duplicates", "rejected", "sampled_out")},
+               "stats": stats, "plan": plan.to_dict(), "timings_s": timings}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    print(f"summary: {out / 'summary.json'}")
+    return summary

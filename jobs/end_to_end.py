@@ -1,0 +1,32 @@
+"""End-to-end job: `ray job submit --working-dir . -- python -m jobs.end_to_end [--recipe R] [--data F ...]`.
+
+Thin entrypoint: parse arguments, build the recipe, call eagle_ray.pipeline.
+"""
+
+import argparse
+import logging
+import sys
+
+from eagle_ray.config import load_recipe
+from eagle_ray.pipeline import SAMPLE_DATA, run_end_to_end
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", default="tiny_cpu")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    p.add_argument("--data", action="append", metavar="PATH[:COUNT_OR_FRACTION]",
+                   help="conversation logs to mix (default: the bundled sample data set)")
+    p.add_argument("--out", default="out/run")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run_end_to_end(load_recipe(args.recipe, args.set), args.data or SAMPLE_DATA, args.out)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"end_to_end: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
