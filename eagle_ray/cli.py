@@ -54,8 +54,7 @@ def cmd_ingest(args) -> int:
 
     sources = [SourceSpec.parse(s) for s in args.input]
     annotate = None if args.no_lengths else length_annotator(_recipe(args))
-    res = ingest(sources, args.out, seed=args.seed, annotate=annotate,
-                 progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    res = ingest(sources, args.out, seed=args.seed, annotate=annotate)  # progress: logging
     for src, c in res.per_source.items():
         print(f"{src}: " + ", ".join(f"{k} {v:,}" for k, v in c.items()))
     print(f"accepted {res.accepted:,} + duplicates {res.duplicates:,} + rejected {res.rejected:,} "

@@ -37,7 +37,7 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
 
     t0 = time.time()
     res = ingest([SourceSpec.parse(s) for s in inputs], out / "ingest", seed=recipe.data.seed,
-                 annotate=length_annotator(recipe), progress=logger.info)
+                 annotate=length_annotator(recipe))
     timings["ingest"] = time.time() - t0
     print(f"ingest: accepted {res.accepted:,} + duplicates {res.duplicates:,} + rejected "
           f"{res.rejected:,} + sampled out {res.sampled_out:,} = lines read {res.lines_read:,}")

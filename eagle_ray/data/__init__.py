@@ -1,0 +1,1 @@
+"""Data preparation: ingestion of conversation logs (see ingest.py)."""

@@ -1,0 +1,907 @@
+"""Conversation-log ingestion: JSONL chat logs -> deduplicated, mixed ``prompts.parquet``.
+
+Accepted line formats (one JSON object per line; other top-level keys are ignored):
+
+* OpenAI:   ``{"messages": [{"role": ..., "content": ..., "reasoning_content": ...}, ...]}``
+* ShareGPT: ``{"conversations": [{"from": ..., "value": ...}, ...]}``
+* Plain:    ``{"prompt": ..., "response"|"completion": ...}``
+
+Every line read ends up in exactly one bucket -- accepted, duplicate, rejected or
+sampled out -- and each bucket except "accepted" has its own JSONL file, so nothing
+disappears silently. ``ingest`` checks ``accepted + duplicates + rejected +
+sampled_out == lines_read`` overall and per source before it writes anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import re
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "SourceSpec",
+    "IngestResult",
+    "ingest",
+    "PROMPTS_SCHEMA",
+    "PROMPTS_FILE",
+    "REJECTS_FILE",
+    "DUPLICATES_FILE",
+    "SAMPLED_OUT_FILE",
+    "REPORT_FILE",
+]
+
+PROMPTS_FILE = "prompts.parquet"
+REJECTS_FILE = "rejects.jsonl"
+DUPLICATES_FILE = "duplicates.jsonl"
+SAMPLED_OUT_FILE = "sampled_out.jsonl"
+REPORT_FILE = "report.json"
+
+PROMPTS_SCHEMA = pa.schema(
+    [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("source", pa.string(), nullable=False),
+        pa.field("source_line", pa.int64(), nullable=False),
+        pa.field("messages", pa.string(), nullable=False),
+        pa.field("reference", pa.string(), nullable=True),
+        pa.field("num_turns", pa.int32(), nullable=False),
+        pa.field("content_hash", pa.string(), nullable=False),
+    ]
+)
+
+COUNTERS = ("lines_read", "accepted", "duplicates", "rejected", "sampled_out")
+INVARIANT = "accepted + duplicates + rejected + sampled_out == lines_read"
+
+# Module-level so tests can shrink them; not part of the stable API.
+PROGRESS_EVERY = 100_000
+RAW_MAX_BYTES = 64 << 10
+_SKIP_CHUNK = 1 << 20
+_BOM = b"\xef\xbb\xbf"
+
+_SPEC_HELP = (
+    "use PATH (all samples), PATH:COUNT with an integer COUNT >= 1 (e.g. data.jsonl:1000) "
+    "or PATH:FRACTION with 0 < FRACTION <= 1 (e.g. data.jsonl:0.25)"
+)
+_INT_RE = re.compile(r"[+-]?\d+")
+# Deliberately narrower than float(): "inf"/"nan" suffixes stay part of the path.
+_FLOAT_RE = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+)(?:[eE][+-]?\d+)?|[+-]?\d+[eE][+-]?\d+")
+
+
+# --------------------------------------------------------------------------- specs
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceSpec:
+    """One input file plus how much of it goes into the mix (all, a count or a fraction)."""
+
+    path: str
+    count: int | None = None
+    fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"source path must be a non-empty string, got {self.path!r}")
+        if self.count is not None and self.fraction is not None:
+            raise ValueError(f"source {self.path!r}: give count or fraction, not both")
+        if self.count is not None:
+            if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+                raise ValueError(
+                    f"source {self.path!r}: count must be an integer >= 1, got {self.count!r}; "
+                    + _SPEC_HELP
+                )
+        if self.fraction is not None:
+            f = self.fraction
+            if (
+                isinstance(f, bool)
+                or not isinstance(f, (int, float))
+                or not math.isfinite(f)
+                or not 0 < f <= 1
+            ):
+                raise ValueError(
+                    f"source {self.path!r}: fraction must be in (0, 1], got {f!r}; "
+                    "weights above 1 would duplicate samples, which dedupe would remove; "
+                    "use a count instead. " + _SPEC_HELP
+                )
+
+    @classmethod
+    def parse(cls, text: str) -> "SourceSpec":
+        """Parse ``PATH``, ``PATH:COUNT`` or ``PATH:FRACTION``.
+
+        Only a numeric suffix is a spec, so paths containing ':' still work.
+        ``PATH:1`` is a count of one; write ``PATH:1.0`` for "all as a fraction".
+        """
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"empty source spec; {_SPEC_HELP}")
+        head, sep, tail = text.rpartition(":")
+        if sep and (_INT_RE.fullmatch(tail) or _FLOAT_RE.fullmatch(tail)):
+            if not head:
+                raise ValueError(f"source spec {text!r} has no path; {_SPEC_HELP}")
+            if _INT_RE.fullmatch(tail):
+                n = int(tail)
+                if n < 1:
+                    raise ValueError(
+                        f"source spec {text!r}: count must be >= 1, got {n}; {_SPEC_HELP}"
+                    )
+                return cls(path=head, count=n)
+            x = float(tail)
+            if not 0 < x <= 1:
+                raise ValueError(
+                    f"source spec {text!r}: fraction must be in (0, 1], got {tail}; "
+                    "weights above 1 would duplicate samples, which dedupe would remove; "
+                    f"use a count instead. {_SPEC_HELP}"
+                )
+            return cls(path=head, fraction=x)
+        return cls(path=text)
+
+    def describe(self) -> str:
+        if self.count is not None:
+            return f"{self.path}:{self.count}"
+        if self.fraction is not None:
+            return f"{self.path}:{self.fraction:g}"
+        return self.path
+
+
+@dataclass(kw_only=True)
+class IngestResult:
+    """Counters of one ingest run; the same numbers are in ``report.json``."""
+
+    out_dir: Path
+    lines_read: int
+    accepted: int
+    duplicates: int
+    rejected: int
+    sampled_out: int
+    per_source: dict[str, dict[str, int]]
+    reject_reasons: dict[str, int]
+    # source path -> how many samples a count asked for but the source did not have.
+    shortfall: dict[str, int] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def prompts_path(self) -> Path:
+        return self.out_dir / PROMPTS_FILE
+
+    @property
+    def report_path(self) -> Path:
+        return self.out_dir / REPORT_FILE
+
+    @property
+    def invariant_holds(self) -> bool:
+        def ok(c: dict[str, int]) -> bool:
+            return c["accepted"] + c["duplicates"] + c["rejected"] + c["sampled_out"] == c["lines_read"]
+
+        return ok(self.counters()) and all(ok(c) for c in self.per_source.values())
+
+    def counters(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in COUNTERS}
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+class _Reject(Exception):
+    """A line failed validation; ``code`` is the stable reason code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+_ROLE_OPENAI = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLE_SHAREGPT = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+}
+
+
+def _tname(x: Any) -> str:
+    return "null" if x is None else type(x).__name__
+
+
+def _short(x: Any) -> str:
+    r = repr(x)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def _join_parts(content: Any, where: str) -> str:
+    if type(content) is not list:
+        raise _Reject(
+            "bad_type", f"{where}.content must be a string or a list of text parts, got {_tname(content)}"
+        )
+    texts = []
+    for j, part in enumerate(content):
+        if type(part) is not dict:
+            raise _Reject("bad_type", f"{where}.content[{j}] must be an object, got {_tname(part)}")
+        ptype = part.get("type")
+        if ptype != "text":
+            raise _Reject(
+                "non_text_part",
+                f"{where}.content[{j}] has type {_short(ptype)}; only text parts are supported",
+            )
+        text = part.get("text")
+        if type(text) is not str:
+            raise _Reject("bad_type", f"{where}.content[{j}].text must be a string, got {_tname(text)}")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _from_openai(raw: Any) -> list[dict[str, str]]:
+    if type(raw) is not list:
+        raise _Reject("bad_type", f'"messages" must be a list, got {_tname(raw)}')
+    out = []
+    for i, m in enumerate(raw):
+        if type(m) is not dict:
+            raise _Reject("bad_type", f"messages[{i}] must be an object, got {_tname(m)}")
+        role = m.get("role")
+        if type(role) is not str:
+            raise _Reject("bad_type", f"messages[{i}].role must be a string, got {_tname(role)}")
+        r = _ROLE_OPENAI.get(role)
+        if r is None:
+            raise _Reject(
+                "unknown_role",
+                f"messages[{i}].role {_short(role)} is not one of system, developer, user, assistant",
+            )
+        content = m.get("content")
+        if type(content) is not str:
+            content = _join_parts(content, f"messages[{i}]")
+        # isspace() stops at the first non-space char; strip() would copy the whole string.
+        if not content or content.isspace():
+            raise _Reject("empty_content", f"messages[{i}] ({r}) has empty content")
+        msg = {"role": r, "content": content}
+        rc = m.get("reasoning_content")
+        if rc is not None:  # null is common in exported logs; treat it as absent
+            if type(rc) is not str:
+                raise _Reject(
+                    "bad_type", f"messages[{i}].reasoning_content must be a string, got {_tname(rc)}"
+                )
+            if rc and not rc.isspace():
+                if r != "assistant":
+                    raise _Reject(
+                        "bad_type", f"messages[{i}] ({r}) has reasoning_content; only assistant messages may"
+                    )
+                msg["reasoning_content"] = rc
+        out.append(msg)
+    return out
+
+
+def _from_sharegpt(raw: Any) -> list[dict[str, str]]:
+    if type(raw) is not list:
+        raise _Reject("bad_type", f'"conversations" must be a list, got {_tname(raw)}')
+    out = []
+    for i, t in enumerate(raw):
+        if type(t) is not dict:
+            raise _Reject("bad_type", f"conversations[{i}] must be an object, got {_tname(t)}")
+        frm = t.get("from")
+        if type(frm) is not str:
+            raise _Reject("bad_type", f'conversations[{i}]["from"] must be a string, got {_tname(frm)}')
+        r = _ROLE_SHAREGPT.get(frm) or _ROLE_SHAREGPT.get(frm.lower())
+        if r is None:
+            raise _Reject(
+                "unknown_role",
+                f'conversations[{i}]["from"] {_short(frm)} is not one of human, user, gpt, '
+                "assistant, chatgpt, system",
+            )
+        value = t.get("value")
+        if type(value) is not str:
+            raise _Reject("bad_type", f"conversations[{i}].value must be a string, got {_tname(value)}")
+        if not value or value.isspace():
+            raise _Reject("empty_content", f"conversations[{i}] ({r}) has empty value")
+        out.append({"role": r, "content": value})
+    return out
+
+
+def _from_plain(obj: dict) -> list[dict[str, str]]:
+    prompt = obj["prompt"]
+    if type(prompt) is not str:
+        raise _Reject("bad_type", f'"prompt" must be a string, got {_tname(prompt)}')
+    if not prompt or prompt.isspace():
+        raise _Reject("empty_content", '"prompt" is empty')
+    out = [{"role": "user", "content": prompt}]
+    key = "response"
+    resp = obj.get(key)
+    if resp is None:
+        key = "completion"
+        resp = obj.get(key)
+    if resp is not None:
+        if type(resp) is not str:
+            raise _Reject("bad_type", f'"{key}" must be a string, got {_tname(resp)}')
+        if not resp or resp.isspace():
+            raise _Reject("empty_content", f'"{key}" is empty')
+        out.append({"role": "assistant", "content": resp})
+    return out
+
+
+def _split(msgs: list[dict[str, str]]) -> tuple[list[dict[str, str]], dict[str, str] | None]:
+    """Check turn order; return (prompt up to the last user turn, reference or None)."""
+    n = len(msgs)
+    if n == 0:
+        raise _Reject("no_user_turn", "conversation has no messages")
+    start = 1 if msgs[0]["role"] == "system" else 0
+    expect = "user"
+    last_user = -1
+    for i in range(start, n):
+        r = msgs[i]["role"]
+        if r != expect:
+            if not any(m["role"] == "user" for m in msgs):
+                raise _Reject("no_user_turn", "conversation has no user message")
+            if r == "system":
+                raise _Reject(
+                    "bad_order", f"system message at position {i}; only one is allowed, at position 0"
+                )
+            raise _Reject(
+                "bad_order",
+                f"message {i} is {r} but {expect} was expected "
+                "(after an optional system message, turns alternate user/assistant starting with user)",
+            )
+        if r == "user":
+            last_user = i
+            expect = "assistant"
+        else:
+            expect = "user"
+    if last_user < 0:
+        raise _Reject("no_user_turn", "conversation has no user message")
+    # Strict alternation means at most one assistant message follows the last user turn.
+    ref = msgs[last_user + 1] if last_user + 1 < n else None
+    return msgs[: last_user + 1], ref
+
+
+def _parse(obj: Any) -> tuple[list[dict[str, str]], dict[str, str] | None, str]:
+    if type(obj) is not dict:
+        raise _Reject("not_an_object", f"line is a JSON {_tname(obj)}, not an object")
+    # Fixed priority when several keys are present: messages > conversations > prompt.
+    if "messages" in obj:
+        msgs, fmt = _from_openai(obj["messages"]), "openai"
+    elif "conversations" in obj:
+        msgs, fmt = _from_sharegpt(obj["conversations"]), "sharegpt"
+    elif "prompt" in obj:
+        msgs, fmt = _from_plain(obj), "plain"
+    else:
+        keys = ", ".join(sorted(map(str, obj))[:8])
+        raise _Reject(
+            "unknown_format",
+            f'no "messages", "conversations" or "prompt" key (keys: {keys or "none"})',
+        )
+    prompt, ref = _split(msgs)
+    return prompt, ref, fmt
+
+
+# Same output as json.dumps(..., sort_keys=True, ensure_ascii=False, separators=(",", ":")),
+# but built once instead of per call.
+_canon_encode = json.JSONEncoder(
+    sort_keys=True, ensure_ascii=False, separators=(",", ":"), check_circular=False
+).encode
+
+
+def canonical_json(prompt: list[dict[str, str]], reference: dict[str, str] | None) -> str:
+    """The string hashed for dedupe and ids (exposed for tests and other tools)."""
+    return _canon_encode({"messages": prompt, "reference": reference})
+
+
+def _derive_seed(seed: int, *parts: str) -> int:
+    h = hashlib.sha256("\0".join([str(seed), *parts]).encode("utf-8")).digest()
+    return int.from_bytes(h[:8], "big")
+
+
+# --------------------------------------------------------------------------- output files
+
+
+class _AtomicFile:
+    """Buffered binary file written as ``name.tmp-<pid>`` and renamed into place on commit."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        self.f: BinaryIO = open(self.tmp, "wb", buffering=1 << 20)
+        self.rows = 0
+
+    def write_row(self, row: dict) -> None:
+        self.f.write(json.dumps(row, ensure_ascii=False).encode("utf-8") + b"\n")
+        self.rows += 1
+
+    def finish(self) -> None:
+        """Flush and fsync the temp file (the rename happens in commit)."""
+        if not self.f.closed:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+
+    def commit(self) -> None:
+        self.finish()
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        try:
+            self.f.close()
+        finally:
+            self.tmp.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # not supported everywhere; the renames are still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- ingest
+
+
+def _check_sources(sources: list[SourceSpec]) -> list[int]:
+    """Validate all sources up front (so nothing is written on a bad path); return sizes."""
+    if not sources:
+        raise ValueError("no sources given")
+    seen: dict[str, str] = {}
+    sizes = []
+    for spec in sources:
+        if not isinstance(spec, SourceSpec):
+            raise TypeError(f"sources must be SourceSpec objects, got {_tname(spec)}")
+        p = spec.path
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"source file not found: {p}") from None
+        except OSError as e:
+            raise ValueError(f"cannot access source {p}: {e.strerror or e}") from e
+        if stat.S_ISDIR(st.st_mode):
+            raise ValueError(f"source {p} is a directory; give a JSONL file")
+        real = os.path.realpath(p)
+        if real in seen:
+            raise ValueError(
+                f"source {p} is given twice (also as {seen[real]}); its samples would all be duplicates"
+            )
+        seen[real] = p
+        try:
+            with open(p, "rb"):
+                pass
+        except OSError as e:
+            raise ValueError(f"cannot read source {p}: {e.strerror or e}") from e
+        sizes.append(st.st_size)
+    return sizes
+
+
+class _Ingestor:
+    def __init__(self, sources, out_dir, seed, max_line_bytes, progress):
+        self.sources: list[SourceSpec] = sources
+        self.out_dir: Path = out_dir
+        self.seed = seed
+        self.max_line_bytes = max_line_bytes
+        self.progress = progress
+        self.warnings: list[str] = []
+        self.reject_reasons: dict[str, int] = {}
+        self.per_source = {s.path: dict.fromkeys(COUNTERS, 0) for s in sources}
+        self.formats = {s.path: {"openai": 0, "sharegpt": 0, "plain": 0} for s in sources}
+        self.file_info: list[dict[str, Any]] = []
+        # Accepted (deduplicated) samples, as parallel lists; the Arrow table is built once at the end.
+        self.a_src: list[int] = []
+        self.a_line: list[int] = []
+        self.a_msgs: list[str] = []
+        self.a_ref: list[str | None] = []
+        self.a_turns: list[int] = []
+        self.a_hash: list[str] = []
+        self.seen: dict[str, int] = {}  # content_hash -> index in the a_* lists
+        self.ranges: list[tuple[int, int]] = []
+        self.lines_total = 0
+        self.t0 = time.monotonic()
+
+    def _say(self, msg: str, warn: bool = False) -> None:
+        if warn:
+            self.warnings.append(msg)
+            logger.warning("%s", msg)
+        else:
+            logger.info("%s", msg)
+        if self.progress is not None:
+            self.progress(("warning: " if warn else "") + msg)
+
+    def _reject(self, rejects: _AtomicFile, path: str, counts: dict, lineno: int, offset: int,
+                code: str, message: str, raw: bytes, raw_len: int) -> None:
+        counts["rejected"] += 1
+        self.reject_reasons[code] = self.reject_reasons.get(code, 0) + 1
+        rejects.write_row(
+            {
+                "source": path,
+                "line": lineno,
+                "byte_offset": offset,
+                "reason": code,
+                "message": message,
+                "raw": raw[:RAW_MAX_BYTES].decode("utf-8", errors="replace"),
+                "raw_bytes": raw_len,
+                "raw_truncated": raw_len > RAW_MAX_BYTES,
+            }
+        )
+
+    def read_source(self, si: int, size: int, rejects: _AtomicFile, dups: _AtomicFile) -> None:
+        spec = self.sources[si]
+        path = spec.path
+        counts = self.per_source[path]
+        fmts = self.formats[path]
+        limit = self.max_line_bytes + 1
+        hasher = hashlib.sha256()
+        update = hasher.update
+        loads = json.loads
+        sha256 = hashlib.sha256
+        seen = self.seen
+        a_src, a_line, a_msgs, a_ref, a_turns, a_hash = (
+            self.a_src, self.a_line, self.a_msgs, self.a_ref, self.a_turns, self.a_hash
+        )
+        start_idx = len(a_hash)
+        lineno = 0
+        offset = 0
+        every = PROGRESS_EVERY
+        if size == 0:
+            self._say(f"source {path} is empty (0 bytes)", warn=True)
+        with open(path, "rb", buffering=1 << 20) as f:
+            readline = f.readline
+            while True:
+                chunk = readline(limit)
+                if not chunk:
+                    break
+                lineno += 1
+                line_start = offset
+                offset += len(chunk)
+                update(chunk)
+                self.lines_total += 1
+                if self.lines_total % every == 0:
+                    dt = max(time.monotonic() - self.t0, 1e-9)
+                    self._say(
+                        f"{self.lines_total:,} lines read ({self.lines_total / dt:,.0f} lines/s), "
+                        f"now {path} line {lineno:,}"
+                    )
+                if len(chunk) == limit and chunk[-1] != 10:
+                    # Either over the limit, or exactly at it with a "\r\n" split by the limit.
+                    if chunk[-1] == 13 and f.peek(1)[:1] == b"\n":
+                        nl = f.read(1)
+                        update(nl)
+                        offset += 1
+                        chunk += nl
+                    else:
+                        offset = self._skip_long_line(
+                            f, chunk, update, offset, rejects, path, counts, lineno, line_start
+                        )
+                        del chunk  # drop the ~max_line_bytes buffer before the next read
+                        continue
+                if line_start == 0 and chunk.startswith(_BOM):
+                    chunk = chunk[3:]
+                # json.loads accepts the trailing "\r\n" as whitespace, so the line is not
+                # sliced (copied) on the hot path; only rejects strip it.
+                if chunk.isspace() or not chunk:
+                    raw = chunk.rstrip(b"\n").rstrip(b"\r")
+                    self._reject(rejects, path, counts, lineno, line_start, "blank_line",
+                                 "line is empty or whitespace only", raw, len(raw))
+                    continue
+                try:
+                    text = chunk.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raw = _strip_eol(chunk)
+                    self._reject(rejects, path, counts, lineno, line_start, "invalid_utf8",
+                                 f"invalid UTF-8 at byte {e.start} of the line ({e.reason})",
+                                 raw, len(raw))
+                    continue
+                try:
+                    obj = loads(text)
+                except (ValueError, RecursionError) as e:
+                    raw = _strip_eol(chunk)
+                    msg = _json_error(text, e)
+                    self._reject(rejects, path, counts, lineno, line_start, "invalid_json",
+                                 f"invalid JSON: {msg}", raw, len(raw))
+                    continue
+                try:
+                    prompt, ref, fmt = _parse(obj)
+                    m = _canon_encode(prompt)
+                    r = None if ref is None else _canon_encode(ref)
+                    # Equal to canonical_json(prompt, ref): sort_keys puts "messages" first.
+                    canon = '{"messages":' + m + ',"reference":' + (r or "null") + "}"
+                    h = sha256(canon.encode("utf-8")).hexdigest()
+                except _Reject as e:
+                    raw = _strip_eol(chunk)
+                    self._reject(rejects, path, counts, lineno, line_start, e.code, e.message,
+                                 raw, len(raw))
+                    continue
+                except UnicodeEncodeError:
+                    # A "\ud800"-style escape decodes to a lone surrogate, which is not valid
+                    # text and cannot be written to Parquet.
+                    raw = _strip_eol(chunk)
+                    self._reject(rejects, path, counts, lineno, line_start, "invalid_unicode",
+                                 "a string contains a lone UTF-16 surrogate (\\ud800-\\udfff escape)",
+                                 raw, len(raw))
+                    continue
+                fmts[fmt] += 1
+                kept = seen.get(h)
+                if kept is not None:
+                    counts["duplicates"] += 1
+                    dups.write_row(
+                        {
+                            "source": path,
+                            "line": lineno,
+                            "sample_id": "s" + h[:20],
+                            "kept_source": self.sources[a_src[kept]].path,
+                            "kept_line": a_line[kept],
+                        }
+                    )
+                    continue
+                seen[h] = len(a_hash)
+                a_src.append(si)
+                a_line.append(lineno)
+                a_msgs.append(m)
+                a_ref.append(r)
+                a_turns.append(len(prompt))
+                a_hash.append(h)
+        counts["lines_read"] = lineno
+        self.ranges.append((start_idx, len(a_hash)))
+        if offset != size:
+            self._say(f"source {path} changed while being read ({size} bytes at start, {offset} read)",
+                      warn=True)
+        self.file_info.append({"size_bytes": offset, "sha256": hasher.hexdigest()})
+        n_ok = len(a_hash) - start_idx
+        if lineno and n_ok == 0 and counts["duplicates"] == 0:
+            self._say(f"source {path}: none of its {lineno} lines was accepted; see {REJECTS_FILE}",
+                      warn=True)
+        self._say(
+            f"{path}: {lineno} lines, {n_ok} new samples, {counts['duplicates']} duplicates, "
+            f"{counts['rejected']} rejected"
+        )
+
+    def _skip_long_line(self, f, chunk, update, offset, rejects, path, counts, lineno, line_start):
+        """Consume the rest of an over-long line in bounded chunks and record one reject."""
+        head = chunk[:RAW_MAX_BYTES]
+        total = len(chunk)
+        tail = chunk[-2:]
+        readline = f.readline
+        ended = False
+        while True:
+            c = readline(_SKIP_CHUNK)
+            if not c:
+                break
+            update(c)
+            total += len(c)
+            offset += len(c)
+            tail = (tail + c[-2:])[-2:]
+            if c[-1] == 10:
+                ended = True
+                break
+        raw_len = total - (2 if ended and tail == b"\r\n" else 1 if ended else 0)
+        self._reject(rejects, path, counts, lineno, line_start, "line_too_long",
+                     f"line is {raw_len:,} bytes, over the max_line_bytes limit of "
+                     f"{self.max_line_bytes:,}", head, raw_len)
+        return offset
+
+    def select(self, sampled: _AtomicFile) -> tuple[list[int], dict[str, int], list[dict[str, Any]]]:
+        """Apply per-source count/fraction; return kept indices (shuffled), shortfalls, selection info."""
+        keep: list[int] = []
+        shortfall: dict[str, int] = {}
+        info = []
+        for si, spec in enumerate(self.sources):
+            lo, hi = self.ranges[si]
+            n = hi - lo
+            if spec.count is not None:
+                k = min(spec.count, n)
+                if spec.count > n:
+                    shortfall[spec.path] = spec.count - n
+                    self._say(
+                        f"source {spec.path}: asked for {spec.count} samples but only {n} were "
+                        f"accepted after dedupe; taking all {n} (short by {spec.count - n})",
+                        warn=True,
+                    )
+            elif spec.fraction is not None:
+                k = min(n, round(spec.fraction * n))
+            else:
+                k = n
+            derived = _derive_seed(self.seed, "source", spec.path)
+            if k < n:
+                # Per-source seed from (seed, path): adding a source leaves this selection alone.
+                chosen = sorted(random.Random(derived).sample(range(n), k))
+                chosen_set = set(chosen)
+                keep.extend(lo + j for j in chosen)
+                for j in range(n):
+                    if j not in chosen_set:
+                        i = lo + j
+                        sampled.write_row(
+                            {"source": spec.path, "line": self.a_line[i], "sample_id": "s" + self.a_hash[i][:20]}
+                        )
+                self.per_source[spec.path]["sampled_out"] = n - k
+            else:
+                keep.extend(range(lo, hi))
+            self.per_source[spec.path]["accepted"] = k
+            info.append({"available": n, "selected": k, "shortfall": shortfall.get(spec.path, 0),
+                         "derived_seed": derived})
+        random.Random(_derive_seed(self.seed, "mix")).shuffle(keep)
+        return keep, shortfall, info
+
+    def build_table(self, keep: list[int]) -> pa.Table:
+        paths = [s.path for s in self.sources]
+        a_src, a_line, a_msgs, a_ref, a_turns, a_hash = (
+            self.a_src, self.a_line, self.a_msgs, self.a_ref, self.a_turns, self.a_hash
+        )
+        hashes = [a_hash[i] for i in keep]
+        # pa.array returns a ChunkedArray if a string column outgrows 2 GiB; from_arrays takes both.
+        return pa.Table.from_arrays(
+            [
+                pa.array(["s" + h[:20] for h in hashes], pa.string()),
+                pa.array([paths[a_src[i]] for i in keep], pa.string()),
+                pa.array([a_line[i] for i in keep], pa.int64()),
+                pa.array([a_msgs[i] for i in keep], pa.string()),
+                pa.array([a_ref[i] for i in keep], pa.string()),
+                pa.array([a_turns[i] for i in keep], pa.int32()),
+                pa.array(hashes, pa.string()),
+            ],
+            schema=PROMPTS_SCHEMA,
+        )
+
+
+def _json_error(text: str, err: Exception) -> str:
+    """Error text for a bad line; re-parsed without the newline, which the hot path keeps
+    (an unterminated string would otherwise be reported as a bad control character)."""
+    if isinstance(err, RecursionError):
+        return "JSON nested too deeply"
+    try:
+        json.loads(text.rstrip("\r\n"))
+    except RecursionError:
+        return "JSON nested too deeply"
+    except ValueError as e:
+        err = e
+    return str(err)[:200]
+
+
+def _strip_eol(b: bytes) -> bytes:
+    if b.endswith(b"\n"):
+        b = b[:-1]
+        if b.endswith(b"\r"):
+            b = b[:-1]
+    return b
+
+
+def _check_invariant(name: str, c: dict[str, int]) -> None:
+    total = c["accepted"] + c["duplicates"] + c["rejected"] + c["sampled_out"]
+    if total != c["lines_read"]:
+        # Explicit raise rather than `assert`, which python -O would strip.
+        raise AssertionError(f"{name}: {INVARIANT} violated: {total} != {c['lines_read']} ({c})")
+
+
+def ingest(
+    sources: list[SourceSpec],
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    max_line_bytes: int = 16 << 20,
+    annotate: Callable[[pa.Table], pa.Table] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> IngestResult:
+    """Validate, dedupe and mix JSONL conversation logs into ``out_dir``.
+
+    Writes ``prompts.parquet``, ``rejects.jsonl``, ``duplicates.jsonl``,
+    ``sampled_out.jsonl`` and (last) ``report.json``, each atomically. All sources are
+    checked before anything is written. ``annotate`` may add columns to the final
+    (shuffled) table; it is also called on an empty table so the schema is stable.
+    """
+    if isinstance(max_line_bytes, bool) or not isinstance(max_line_bytes, int) or max_line_bytes < 1:
+        raise ValueError(f"max_line_bytes must be a positive integer, got {max_line_bytes!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    sources = list(sources)
+    sizes = _check_sources(sources)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    ing = _Ingestor(sources, out, seed, max_line_bytes, progress)
+    files: list[_AtomicFile] = []
+    try:
+        rejects = _AtomicFile(out / REJECTS_FILE)
+        files.append(rejects)
+        dups = _AtomicFile(out / DUPLICATES_FILE)
+        files.append(dups)
+        sampled = _AtomicFile(out / SAMPLED_OUT_FILE)
+        files.append(sampled)
+        for si in range(len(sources)):
+            ing.read_source(si, sizes[si], rejects, dups)
+        keep, shortfall, sel_info = ing.select(sampled)
+        table = ing.build_table(keep)
+        ing.a_msgs = ing.a_ref = []  # the table holds its own copy now
+        if annotate is not None:
+            n_rows = table.num_rows
+            table = annotate(table)
+            if not isinstance(table, pa.Table):
+                raise TypeError(f"annotate must return a pyarrow.Table, got {_tname(table)}")
+            missing = [c for c in PROMPTS_SCHEMA.names if c not in table.column_names]
+            if table.num_rows != n_rows or missing:
+                raise ValueError(
+                    f"annotate must keep all rows and columns (rows {n_rows} -> {table.num_rows}, "
+                    f"missing columns {missing})"
+                )
+
+        totals = dict.fromkeys(COUNTERS, 0)
+        for c in ing.per_source.values():
+            for k in COUNTERS:
+                totals[k] += c[k]
+        for path, c in ing.per_source.items():
+            _check_invariant(f"source {path}", c)
+        _check_invariant("total", totals)
+        if totals["accepted"] != table.num_rows or totals["rejected"] != rejects.rows \
+                or totals["duplicates"] != dups.rows or totals["sampled_out"] != sampled.rows:
+            raise AssertionError("output row counts do not match the counters")
+        if totals["accepted"] == 0:
+            ing._say("no sample was accepted; writing empty outputs", warn=True)
+
+        pq_file = _AtomicFile(out / PROMPTS_FILE)
+        files.append(pq_file)
+        pq.write_table(table, pq_file.f, compression="zstd", row_group_size=100_000)
+        del table
+
+        reject_reasons = dict(sorted(ing.reject_reasons.items()))
+        report = {
+            "version": 1,
+            **totals,
+            "invariant": {"formula": INVARIANT, "holds": True},
+            "per_source": ing.per_source,
+            "reject_reasons": reject_reasons,
+            "seed": seed,
+            "max_line_bytes": max_line_bytes,
+            "sources": [
+                {
+                    "path": s.path,
+                    "count": s.count,
+                    "fraction": s.fraction,
+                    **ing.file_info[i],
+                    **sel_info[i],
+                    "formats": ing.formats[s.path],
+                }
+                for i, s in enumerate(sources)
+            ],
+            "shortfall": shortfall,
+            "warnings": ing.warnings,
+            "outputs": [PROMPTS_FILE, REJECTS_FILE, DUPLICATES_FILE, SAMPLED_OUT_FILE, REPORT_FILE],
+        }
+        rep = _AtomicFile(out / REPORT_FILE)
+        files.append(rep)
+        rep.f.write(json.dumps(report, indent=2, ensure_ascii=False).encode("utf-8") + b"\n")
+
+        for af in files:
+            af.finish()
+        # An old report next to half-replaced outputs would be misleading; report.json
+        # is removed first and renamed in last, so its presence marks a complete set.
+        (out / REPORT_FILE).unlink(missing_ok=True)
+        for af in files:
+            af.commit()
+        _fsync_dir(out)
+    except BaseException:
+        for af in files:
+            af.abort()
+        raise
+
+    dt = time.monotonic() - ing.t0
+    ing._say(
+        f"ingested {totals['lines_read']} lines in {dt:.1f}s "
+        f"({totals['lines_read'] / max(dt, 1e-9):,.0f} lines/s): {totals['accepted']} accepted, "
+        f"{totals['duplicates']} duplicates, {totals['rejected']} rejected, "
+        f"{totals['sampled_out']} sampled out -> {out}"
+    )
+    return IngestResult(
+        out_dir=out,
+        per_source=ing.per_source,
+        reject_reasons=reject_reasons,
+        shortfall=shortfall,
+        warnings=ing.warnings,
+        **totals,
+    )
