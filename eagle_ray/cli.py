@@ -91,6 +91,21 @@ def cmd_plan(args) -> int:
     return 0 if plan.fits else 3
 
 
+def cmd_generate(args) -> int:
+    from eagle_ray.generate.run import run_generate
+
+    recipe = _recipe(args)
+    if args.keep_logged:
+        from eagle_ray.config import apply_overrides
+
+        recipe = apply_overrides(recipe, {"generate.mode": "keep_logged"})
+    res = run_generate(recipe, args.prompts, args.out, limit=args.limit)
+    print(f"generate: {res.generated:,} conversations, {res.rejected:,} rejected "
+          f"({res.skipped_done:,} were already done) -> {res.out_dir}/conversations.parquet "
+          f"in {res.seconds:.1f}s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle-ray", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -115,6 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip token counting (stats and plan then need a later stage's table)")
     _add_recipe_args(p)
     p.set_defaults(fn=cmd_ingest)
+
+    p = sub.add_parser("generate", help="regenerate final assistant turns with the target (vLLM on Ray)")
+    _add_recipe_args(p)
+    p.add_argument("--prompts", required=True, help="ingest output directory or prompts.parquet")
+    p.add_argument("--out", required=True)
+    p.add_argument("--keep-logged", action="store_true",
+                   help="keep the logged responses instead of regenerating (recorded in the manifest)")
+    p.add_argument("--limit", type=int, help="only the first N prompts (smoke runs)")
+    p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("stats", help="token statistics of an ingested/generated/extracted table")
     p.add_argument("path")

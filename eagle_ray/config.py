@@ -135,26 +135,67 @@ class DrafterConfig:
             raise ValueError(f"drafter.ttt_steps must be >= 1, got {self.ttt_steps}")
 
 
+GENERATE_MODES = ("regenerate", "keep_logged")
+
+
+@dataclass(kw_only=True, frozen=True)
+class EngineConfig:
+    """How a vLLM engine replica is built (generation and, later, extraction)."""
+
+    dtype: str = "auto"
+    """Model dtype for vLLM ("auto": the checkpoint's; the CPU recipe uses float32)."""
+    max_model_len: int | None = None
+    """Context limit (None: the model's). Longer prompts are rejected, not fatal."""
+    enforce_eager: bool = False
+    """No CUDA graphs / compilation (the CPU recipe: faster start, same outputs)."""
+    kv_cache_memory_bytes: int | None = None
+    """Fixed KV-cache size (the CPU recipe); None: gpu_memory_utilization decides."""
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+    num_cpus_per_replica: float = 1.0
+    """Ray CPU reservation per replica actor (fractional on small CPU machines)."""
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 16:
+            raise ValueError(f"engine.max_model_len={self.max_model_len} is too small; use >= 16")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"engine.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.num_cpus_per_replica < 0:
+            raise ValueError("engine.num_cpus_per_replica must be >= 0")
+
+
 @dataclass(kw_only=True, frozen=True)
 class GenerateConfig:
     """Regeneration of the final assistant turn by the target (vLLM actor pool)."""
 
+    mode: str = "regenerate"
+    """regenerate: the target writes the final turn; keep_logged: use the logged response."""
     temperature: float = 0.0
     top_p: float = 1.0
     max_tokens: int = 8192
+    """Max completion tokens (also capped by the context left after the prompt)."""
     min_replicas: int = 1
     max_replicas: int = 1
     batch_size: int = 16
+    """Prompts per Ray Data batch (one vLLM call; the unit lost when a run is killed)."""
     gpus_per_replica: int = 1
     """0 on the CPU recipe; tensor_parallel_size GPUs per replica otherwise."""
+    think_start: str = "<think>"
+    think_end: str = "</think>"
+    """Reasoning delimiters used to split generated text into reasoning_content / content."""
+    progress_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if self.mode not in GENERATE_MODES:
+            raise ValueError(f"generate.mode={self.mode!r}; choose one of {', '.join(GENERATE_MODES)}")
         if not 1 <= self.min_replicas <= self.max_replicas:
             raise ValueError(
                 f"generate.min_replicas={self.min_replicas}, max_replicas={self.max_replicas}: "
                 "need 1 <= min_replicas <= max_replicas")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1:
             raise ValueError("generate: need temperature >= 0, 0 < top_p <= 1, max_tokens >= 1")
+        if self.batch_size < 1 or self.gpus_per_replica < 0:
+            raise ValueError("generate: need batch_size >= 1 and gpus_per_replica >= 0")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -167,6 +208,13 @@ class Recipe:
     storage: StorageConfig = field(default_factory=StorageConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if self.generate.gpus_per_replica not in (0, self.target.tensor_parallel_size):
+            raise ValueError(
+                f"generate.gpus_per_replica={self.generate.gpus_per_replica} must be 0 (CPU) or "
+                f"target.tensor_parallel_size={self.target.tensor_parallel_size}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -189,6 +237,8 @@ def tiny_cpu() -> Recipe:
         storage=StorageConfig(dtype="bf16", out_dir="out/store"),
         drafter=DrafterConfig(draft_vocab_size=512),
         generate=GenerateConfig(max_tokens=128, batch_size=16, gpus_per_replica=0),
+        engine=EngineConfig(dtype="float32", max_model_len=1024, enforce_eager=True,
+                            kv_cache_memory_bytes=64 << 20, num_cpus_per_replica=0.5),
     )
 
 

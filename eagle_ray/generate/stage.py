@@ -1,0 +1,212 @@
+"""Generation stage UDFs: prompts -> conversations (one output row per input row).
+
+`GenerateUDF` is a Ray Data actor class: it loads the target in vLLM once in `__init__`
+and regenerates the final assistant turn of each prompt in `__call__`. `LoggedUDF` is the
+"keep logged responses" mode (no engine). Both return rows of `CONVERSATIONS_SCHEMA`;
+rows that cannot be generated come back with status="rejected" and a reason, so one bad
+prompt never stops a batch, and a batch never stops the job.
+
+Token contract for later stages: the training sequence is exactly
+`prompt_token_ids + completion_token_ids` (what the target saw and emitted, end-of-turn
+token included when it stopped on it); the loss covers `completion_token_ids`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+import pyarrow as pa
+
+logger = logging.getLogger(__name__)
+
+INPUT_COLUMNS = ("sample_id", "source", "messages", "reference")
+
+CONVERSATIONS_SCHEMA = pa.schema([
+    pa.field("sample_id", pa.string(), nullable=False),
+    pa.field("source", pa.string()),
+    pa.field("status", pa.string(), nullable=False),  # "ok" | "rejected"
+    pa.field("reason", pa.string()),                  # reject reason code
+    pa.field("message", pa.string()),                 # reject reason, human text
+    pa.field("origin", pa.string()),                  # "regenerated" | "logged"
+    pa.field("messages", pa.string()),                # JSON: prompt + the final assistant turn
+    pa.field("completion_text", pa.string()),         # exactly what the target generated
+    pa.field("reasoning_content", pa.string()),
+    pa.field("content", pa.string()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("prompt_token_ids", pa.list_(pa.int32())),
+    pa.field("completion_token_ids", pa.list_(pa.int32())),
+    pa.field("num_prompt_tokens", pa.int32()),
+    pa.field("num_completion_tokens", pa.int32()),
+    # For stats/plan: the training window after end-truncation at data.max_seq_len.
+    pa.field("num_tokens", pa.int32()),
+    pa.field("num_loss_tokens", pa.int32()),
+    pa.field("truncated", pa.bool_()),
+])
+
+
+def split_reasoning(text: str, think_start: str, think_end: str,
+                    started_in_prompt: bool = False) -> tuple[str | None, str]:
+    """(reasoning_content, content) of generated text; the exact text is kept separately.
+
+    `started_in_prompt`: the chat template's generation prompt already opened the reasoning
+    block (DeepSeek-R1 style), so the text begins inside it.
+    """
+    body = text
+    if not started_in_prompt:
+        stripped = body.lstrip()
+        if not stripped.startswith(think_start):
+            return None, text
+        body = stripped[len(think_start):]
+    head, sep, tail = body.partition(think_end)
+    if not sep:  # stopped (length) inside the reasoning block
+        return head.strip("\n") or None, ""
+    return head.strip("\n") or None, tail.lstrip("\n")
+
+
+def _row(sample_id: str, source: str | None, **kw: Any) -> dict[str, Any]:
+    row = {name: None for name in CONVERSATIONS_SCHEMA.names}
+    row.update(sample_id=sample_id, source=source, **kw)
+    return row
+
+
+def rejected(sample_id: str, source: str | None, reason: str, message: str) -> dict[str, Any]:
+    return _row(sample_id, source, status="rejected", reason=reason, message=message)
+
+
+def _window(n_prompt: int, n_completion: int, max_seq_len: int) -> dict[str, Any]:
+    n = n_prompt + n_completion
+    return {"num_tokens": min(n, max_seq_len),
+            "num_loss_tokens": max(0, min(n, max_seq_len) - n_prompt),
+            "truncated": n > max_seq_len}
+
+
+class _Base:
+    def __init__(self, recipe, model_path: str):
+        from transformers import AutoTokenizer
+
+        self.recipe = recipe
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            model_path, revision=recipe.target.revision,
+            trust_remote_code=recipe.target.trust_remote_code)
+
+    def _table(self, rows: list[dict[str, Any]]) -> pa.Table:
+        return pa.Table.from_pylist(rows, schema=CONVERSATIONS_SCHEMA)
+
+
+class GenerateUDF(_Base):
+    """Regenerates the final assistant turn with the target in vLLM (one engine per actor)."""
+
+    def __init__(self, recipe, model_path: str):
+        super().__init__(recipe, model_path)
+        from vllm import LLM, SamplingParams
+
+        from eagle_ray.engine import engine_kwargs
+
+        self.llm = LLM(**engine_kwargs(recipe, model_path))
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        g = recipe.generate
+        self._sampling = lambda max_tokens: SamplingParams(
+            temperature=g.temperature, top_p=g.top_p, max_tokens=max_tokens,
+            seed=recipe.engine.seed, skip_special_tokens=False)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from vllm.inputs import TokensPrompt
+
+        g, max_seq_len = self.recipe.generate, self.recipe.data.max_seq_len
+        rows: dict[int, dict[str, Any]] = {}
+        todo: list[tuple[int, dict, list[int], list[dict], bool]] = []
+        cols = {c: batch.column(c).to_pylist() for c in INPUT_COLUMNS}
+        for i, (sid, src, messages_json) in enumerate(zip(cols["sample_id"], cols["source"],
+                                                          cols["messages"])):
+            messages = json.loads(messages_json)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            room = self.max_model_len - len(ids)
+            if room < 1:
+                rows[i] = rejected(sid, src, "prompt_too_long",
+                                   f"prompt has {len(ids):,} tokens; the context limit is "
+                                   f"{self.max_model_len:,}, leaving no room to generate")
+                continue
+            params = self._sampling(min(g.max_tokens, room))
+            started = text.rstrip().endswith(g.think_start)
+            todo.append((i, params, ids, messages, started))
+
+        outputs = self._generate([TokensPrompt(prompt_token_ids=t[2]) for t in todo],
+                                 [t[1] for t in todo])
+        for (i, _, ids, messages, started), out in zip(todo, outputs):
+            sid, src = cols["sample_id"][i], cols["source"][i]
+            if isinstance(out, Exception):
+                rows[i] = rejected(sid, src, "engine_error", f"{type(out).__name__}: {out}"[:2000])
+                continue
+            c = out.outputs[0]
+            completion = list(c.token_ids)
+            reasoning, content = split_reasoning(c.text, g.think_start, g.think_end, started)
+            turn = {"role": "assistant", "content": content}
+            if reasoning is not None:
+                turn["reasoning_content"] = reasoning
+            rows[i] = _row(sid, src, status="ok", origin="regenerated",
+                           messages=json.dumps(messages + [turn], ensure_ascii=False),
+                           completion_text=c.text, reasoning_content=reasoning, content=content,
+                           finish_reason=c.finish_reason, prompt_token_ids=ids,
+                           completion_token_ids=completion, num_prompt_tokens=len(ids),
+                           num_completion_tokens=len(completion),
+                           **_window(len(ids), len(completion), max_seq_len))
+        return self._table([rows[i] for i in range(len(cols["sample_id"]))])
+
+    def _generate(self, prompts: list, params: list) -> list:
+        """One engine call for the batch; if it fails, retry row by row to isolate the culprit."""
+        if not prompts:
+            return []
+        try:
+            return self.llm.generate(prompts, params, use_tqdm=False)
+        except Exception as e:  # an engine error must cost one row, not the batch
+            logger.warning("batch of %d failed (%s); retrying one by one", len(prompts), e)
+        out: list = []
+        for p, sp in zip(prompts, params):
+            try:
+                out.append(self.llm.generate([p], [sp], use_tqdm=False)[0])
+            except Exception as e:
+                out.append(e)
+        return out
+
+
+class LoggedUDF(_Base):
+    """Keep-logged mode: the logged reference response becomes the final turn, tokenized
+    with the target's chat template."""
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from eagle_ray.data.tokenize import tokenize_conversation
+
+        rows = []
+        cols = {c: batch.column(c).to_pylist() for c in INPUT_COLUMNS}
+        for sid, src, messages_json, ref_json in zip(*(cols[c] for c in INPUT_COLUMNS)):
+            if ref_json is None:
+                rows.append(rejected(sid, src, "no_logged_response",
+                                     "keep_logged mode needs a logged assistant response; this "
+                                     "prompt has none (use mode=regenerate)"))
+                continue
+            messages = json.loads(messages_json) + [json.loads(ref_json)]
+            try:
+                t = tokenize_conversation(self.tokenizer, messages, sys.maxsize)
+            except ValueError as e:
+                rows.append(rejected(sid, src, "template_error", str(e)))
+                continue
+            first = int(t.loss_mask.argmax())
+            prompt_ids = t.input_ids[:first].tolist()
+            completion = t.input_ids[t.loss_mask].tolist()
+            ref = messages[-1]
+            rows.append(_row(sid, src, status="ok", origin="logged",
+                             messages=json.dumps(messages, ensure_ascii=False),
+                             completion_text=self.tokenizer.decode(completion),
+                             reasoning_content=ref.get("reasoning_content"),
+                             content=ref["content"], finish_reason="logged",
+                             prompt_token_ids=prompt_ids, completion_token_ids=completion,
+                             num_prompt_tokens=len(prompt_ids),
+                             num_completion_tokens=len(completion),
+                             **_window(len(prompt_ids), len(completion),
+                                       self.recipe.data.max_seq_len)))
+        return self._table(rows)

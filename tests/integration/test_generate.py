@@ -1,0 +1,129 @@
+"""Generation with real vLLM (CPU) on the tiny target inside a local Ray."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from eagle_ray.config import load_recipe
+from eagle_ray.data.ingest import SourceSpec, ingest
+from eagle_ray.tiny import corpus
+
+pytestmark = pytest.mark.integration
+
+OVERRIDES = ["generate.min_replicas=2", "generate.max_replicas=2", "generate.max_tokens=40",
+             "generate.batch_size=8", "engine.max_model_len=192", "engine.num_cpus_per_replica=1",
+             "generate.progress_interval_s=1"]
+N_PROMPTS = 120
+
+
+@pytest.fixture(scope="module")
+def prompts_dir(tmp_path_factory, tiny_target_dir):
+    d = tmp_path_factory.mktemp("gen")
+    lines = [json.dumps({"messages": c}) for c in corpus.conversations(N_PROMPTS, seed=7)]
+    long_prompt = "Tell me about the fox and the owl and the river. " * 40  # > 192 tokens
+    lines.append(json.dumps({"prompt": long_prompt}))
+    (d / "in.jsonl").write_text("\n".join(lines) + "\n")
+    res = ingest([SourceSpec.parse(str(d / "in.jsonl"))], d / "prompts")
+    assert res.accepted >= 100
+    return d / "prompts"
+
+
+@pytest.fixture(scope="module")
+def full_run(ray_cluster, prompts_dir, tmp_path_factory):
+    from eagle_ray.generate.run import run_generate
+
+    out = tmp_path_factory.mktemp("gen_out") / "run"
+    res = run_generate(load_recipe("tiny_cpu", OVERRIDES), prompts_dir, out)
+    return res, out
+
+
+def test_every_prompt_ends_in_output_or_rejects(full_run, prompts_dir):
+    res, out = full_run
+    n = pq.read_metadata(prompts_dir / "prompts.parquet").num_rows
+    conv = pq.read_table(out / "conversations.parquet")
+    rejects = [json.loads(l) for l in (out / "rejects.jsonl").read_text().splitlines()]
+    assert conv.num_rows + len(rejects) == n == res.prompts
+    assert conv.num_rows >= 100
+    ids = conv.column("sample_id").to_pylist() + [r["sample_id"] for r in rejects]
+    assert sorted(ids) == sorted(pq.read_table(prompts_dir / "prompts.parquet")
+                                 .column("sample_id").to_pylist())
+    # the over-long prompt is rejected with its reason, and the job carried on
+    assert [r["reason"] for r in rejects] == ["prompt_too_long"]
+    assert "context limit is 192" in rejects[0]["message"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["mode"] == "regenerate" and manifest["sampling"]["max_tokens"] == 40
+    assert manifest["target"]["fingerprint"] and manifest["counts"]["pending"] == 0
+    rows = conv.to_pylist()
+    for r in rows:
+        msgs = json.loads(r["messages"])
+        assert msgs[-1]["role"] == "assistant"
+        assert r["num_completion_tokens"] == len(r["completion_token_ids"]) > 0
+        assert r["finish_reason"] in ("stop", "length")
+    # reasoning is kept both split and as the exact text
+    with_reasoning = [r for r in rows if r["reasoning_content"]]
+    assert with_reasoning, "the tiny target reasons on arithmetic prompts"
+    r = with_reasoning[0]
+    assert r["completion_text"].startswith("<think>") and r["content"] in r["completion_text"]
+
+
+def test_greedy_outputs_equal_direct_vllm(full_run, tiny_target_dir, tiny_tokenizer):
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from eagle_ray.engine import engine_kwargs
+
+    _, out = full_run
+    rows = pq.read_table(out / "conversations.parquet").to_pylist()
+    recipe = load_recipe("tiny_cpu", OVERRIDES)
+    llm = LLM(**engine_kwargs(recipe, str(tiny_target_dir)))
+    try:
+        prompts = [json.loads(r["messages"])[:-1] for r in rows]
+        texts = [tiny_tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                 for p in prompts]
+        ids = [tiny_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=i) for i in ids],
+                            SamplingParams(temperature=0, max_tokens=40, skip_special_tokens=False))
+    finally:
+        del llm
+    assert [r["prompt_token_ids"] for r in rows] == ids
+    mismatched = [r["sample_id"] for r, o in zip(rows, outs)
+                  if list(o.outputs[0].token_ids) != r["completion_token_ids"]]
+    assert not mismatched
+
+
+def test_resume_after_kill_gives_same_output(full_run, prompts_dir, ray_cluster, tmp_path):
+    _, ref_out = full_run
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "eagle_ray.cli", "generate", "--prompts", str(prompts_dir),
+           "--out", str(out)] + [a for o in OVERRIDES for a in ("--set", o)]
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(list((out / "parts").glob("part-*.parquet"))) < 3:
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and anything it forked, mid-run
+    proc.wait()
+    parts_before = len(list((out / "parts").glob("part-*.parquet")))
+    assert 3 <= parts_before < N_PROMPTS // 8 + 1, "kill should land mid-run"
+    assert not (out / "conversations.parquet").exists()
+
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "were already done" in p.stdout
+    done_before = int(re.search(r"\(([\d,]+) were already done\)", p.stdout)[1].replace(",", ""))
+    assert done_before >= 3 * 8 - 8  # the parts written before the kill were not redone
+    a = pq.read_table(ref_out / "conversations.parquet")
+    b = pq.read_table(out / "conversations.parquet")
+    assert b.column("sample_id").to_pylist() == a.column("sample_id").to_pylist()  # no duplicates
+    cols = ["sample_id", "messages", "prompt_token_ids", "completion_token_ids", "finish_reason"]
+    assert b.select(cols).equals(a.select(cols))
+    assert (out / "rejects.jsonl").read_text() == (ref_out / "rejects.jsonl").read_text()
