@@ -180,6 +180,8 @@ class GenerateConfig:
     """Prompts per Ray Data batch (one vLLM call; the unit lost when a run is killed)."""
     gpus_per_replica: int = 1
     """0 on the CPU recipe; tensor_parallel_size GPUs per replica otherwise."""
+    batches_in_flight: int = 4
+    """Batches one replica works on at once (continuous batching across batch boundaries)."""
     think_start: str = "<think>"
     think_end: str = "</think>"
     """Reasoning delimiters used to split generated text into reasoning_content / content."""
@@ -194,8 +196,9 @@ class GenerateConfig:
                 "need 1 <= min_replicas <= max_replicas")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1:
             raise ValueError("generate: need temperature >= 0, 0 < top_p <= 1, max_tokens >= 1")
-        if self.batch_size < 1 or self.gpus_per_replica < 0:
-            raise ValueError("generate: need batch_size >= 1 and gpus_per_replica >= 0")
+        if self.batch_size < 1 or self.gpus_per_replica < 0 or self.batches_in_flight < 1:
+            raise ValueError("generate: need batch_size >= 1, batches_in_flight >= 1 and "
+                             "gpus_per_replica >= 0")
 
 
 @dataclass(kw_only=True, frozen=True)

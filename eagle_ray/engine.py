@@ -14,6 +14,8 @@ difference between the CPU recipe and an 8-GPU node is only numbers in the recip
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import Future
 from typing import Any
 
 from eagle_ray.config import Recipe
@@ -45,6 +47,55 @@ def engine_kwargs(recipe: Recipe, model_path: str) -> dict[str, Any]:
     return kw
 
 
+class EngineLoop:
+    """Continuous batching across Ray Data batches for a synchronous `vllm.LLM`.
+
+    `LLM.generate` returns only when its whole batch is done, so the engine idles on the
+    batch's tail and between batches. The stage UDF is async and the actor runs several
+    batches at once (`max_concurrency`): each submits its requests here and awaits their
+    futures while one thread steps the engine over everything in flight. (A sync UDF would
+    not do: Ray Data runs sync callables on a single thread whatever max_concurrency says.)
+    """
+
+    def __init__(self, llm):
+        self.engine = llm.llm_engine
+        self.cv = threading.Condition()
+        self.pending: dict[str, Future] = {}
+        self.fatal: BaseException | None = None
+        self._seq = 0
+        threading.Thread(target=self._run, name="eagle-ray-engine-loop", daemon=True).start()
+
+    def submit(self, prompt, params) -> Future:
+        """Queue one request; raises at once for a request the engine refuses (validation)."""
+        fut: Future = Future()
+        with self.cv:
+            if self.fatal is not None:
+                raise RuntimeError(f"engine is dead: {self.fatal!r}")
+            self._seq += 1
+            rid = f"er-{self._seq}"  # outputs carry this id (add_request returns it suffixed)
+            self.engine.add_request(rid, prompt, params)
+            self.pending[rid] = fut
+            self.cv.notify()
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.pending:
+                    self.cv.wait()
+                try:
+                    outputs = self.engine.step()
+                except BaseException as e:  # the engine cannot continue: fail every waiter
+                    self.fatal = e
+                    for fut in self.pending.values():
+                        fut.set_exception(e)
+                    self.pending.clear()
+                    return
+                for out in outputs:
+                    if out.finished:
+                        self.pending.pop(out.request_id).set_result(out)
+
+
 def _placement_group_args(tp: int, cpus_per_bundle: float) -> dict[str, Any]:
     """A fresh placement group per replica with one GPU bundle per tensor-parallel rank."""
     from ray.util.placement_group import placement_group
@@ -65,7 +116,9 @@ def pool_kwargs(recipe: Recipe, *, min_size: int, max_size: int, gpus_per_replic
         compute=ray.data.ActorPoolStrategy(min_size=min_size, max_size=max_size),
         batch_size=batch_size, batch_format="pyarrow",
         runtime_env={"env_vars": ENGINE_ENV},
-        num_cpus=recipe.engine.num_cpus_per_replica)
+        num_cpus=recipe.engine.num_cpus_per_replica,
+        # Several batches in flight per replica keep the engine's batch full (EngineLoop).
+        max_concurrency=recipe.generate.batches_in_flight)
     if gpus_per_replica == 0:
         kw["num_gpus"] = 0
     elif tp == 1:

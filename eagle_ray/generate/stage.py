@@ -13,9 +13,11 @@ token included when it stopped on it); the loss covers `completion_token_ids`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
+import threading
 from typing import Any
 
 import pyarrow as pa
@@ -91,6 +93,7 @@ class _Base:
         self.tokenizer = AutoTokenizer.from_pretrained(
             model_path, revision=recipe.target.revision,
             trust_remote_code=recipe.target.trust_remote_code)
+        self.tokenizer_lock = threading.Lock()
 
     def _table(self, rows: list[dict[str, Any]]) -> pa.Table:
         return pa.Table.from_pylist(rows, schema=CONVERSATIONS_SCHEMA)
@@ -103,16 +106,17 @@ class GenerateUDF(_Base):
         super().__init__(recipe, model_path)
         from vllm import LLM, SamplingParams
 
-        from eagle_ray.engine import engine_kwargs
+        from eagle_ray.engine import EngineLoop, engine_kwargs
 
         self.llm = LLM(**engine_kwargs(recipe, model_path))
+        self.loop = EngineLoop(self.llm)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         g = recipe.generate
         self._sampling = lambda max_tokens: SamplingParams(
             temperature=g.temperature, top_p=g.top_p, max_tokens=max_tokens,
             seed=recipe.engine.seed, skip_special_tokens=False)
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    async def __call__(self, batch: pa.Table):
         from vllm.inputs import TokensPrompt
 
         g, max_seq_len = self.recipe.generate, self.recipe.data.max_seq_len
@@ -122,9 +126,10 @@ class GenerateUDF(_Base):
         for i, (sid, src, messages_json) in enumerate(zip(cols["sample_id"], cols["source"],
                                                           cols["messages"])):
             messages = json.loads(messages_json)
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            with self.tokenizer_lock:  # batches run in threads; HF fast tokenizers are not re-entrant
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                          add_generation_prompt=True)
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             room = self.max_model_len - len(ids)
             if room < 1:
                 rows[i] = rejected(sid, src, "prompt_too_long",
@@ -135,8 +140,7 @@ class GenerateUDF(_Base):
             started = text.rstrip().endswith(g.think_start)
             todo.append((i, params, ids, messages, started))
 
-        outputs = self._generate([TokensPrompt(prompt_token_ids=t[2]) for t in todo],
-                                 [t[1] for t in todo])
+        outputs = await self._generate([(TokensPrompt(prompt_token_ids=t[2]), t[1]) for t in todo])
         for (i, _, ids, messages, started), out in zip(todo, outputs):
             sid, src = cols["sample_id"][i], cols["source"][i]
             if isinstance(out, Exception):
@@ -155,23 +159,20 @@ class GenerateUDF(_Base):
                            completion_token_ids=completion, num_prompt_tokens=len(ids),
                            num_completion_tokens=len(completion),
                            **_window(len(ids), len(completion), max_seq_len))
-        return self._table([rows[i] for i in range(len(cols["sample_id"]))])
+        yield self._table([rows[i] for i in range(len(cols["sample_id"]))])
 
-    def _generate(self, prompts: list, params: list) -> list:
-        """One engine call for the batch; if it fails, retry row by row to isolate the culprit."""
-        if not prompts:
-            return []
-        try:
-            return self.llm.generate(prompts, params, use_tqdm=False)
-        except Exception as e:  # an engine error must cost one row, not the batch
-            logger.warning("batch of %d failed (%s); retrying one by one", len(prompts), e)
-        out: list = []
-        for p, sp in zip(prompts, params):
+    async def _generate(self, requests: list) -> list:
+        """Submit the batch to the shared engine loop; a request the engine refuses costs
+        that row only. A dead engine raises, failing the batch (Ray retries it elsewhere)."""
+        futures = []
+        for prompt, params in requests:
             try:
-                out.append(self.llm.generate([p], [sp], use_tqdm=False)[0])
+                futures.append(self.loop.submit(prompt, params))
             except Exception as e:
-                out.append(e)
-        return out
+                if self.loop.fatal is not None:
+                    raise
+                futures.append(e)
+        return [f if isinstance(f, Exception) else await asyncio.wrap_future(f) for f in futures]
 
 
 class LoggedUDF(_Base):
