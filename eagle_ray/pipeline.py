@@ -1,6 +1,7 @@
 """The end-to-end pipeline, stage by stage (the job in jobs/end_to_end.py calls this).
 
-Stages so far: target (build the tiny target on first use) -> ingest -> stats -> plan.
+Stages so far: target (build the tiny target on first use) -> ingest -> stats -> plan ->
+generate (Ray Data -> vLLM replicas).
 Each stage writes under OUT/<stage>/ and can be re-run on its own with the CLI.
 """
 
@@ -52,10 +53,22 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
     plan = plan_from_stats(recipe, stats, token_lengths(out / "ingest").to_numpy(),
                            out_dir=recipe.storage.out_dir)
     print(format_plan(plan))
+    from eagle_ray.generate.run import run_generate
+
+    t0 = time.time()
+    gen = run_generate(recipe, out / "ingest", out / "generate")
+    timings["generate"] = time.time() - t0
+    print(f"generate: {gen.generated:,} conversations, {gen.rejected:,} rejected, "
+          f"{gen.completion_tokens:,} completion tokens this run -> {out / 'generate'}")
+    gen_stats = compute_stats(out / "generate")
+    print(format_stats(gen_stats))
+
     summary = {"recipe": recipe.to_dict(), "target_dir": str(target_dir),
                "ingest": {k: getattr(res, k) for k in
                           ("lines_read", "accepted", "duplicates", "rejected", "sampled_out")},
-               "stats": stats, "plan": plan.to_dict(), "timings_s": timings}
+               "stats": stats, "plan": plan.to_dict(),
+               "generate": {"generated": gen.generated, "rejected": gen.rejected},
+               "generate_stats": gen_stats, "timings_s": timings}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     print(f"summary: {out / 'summary.json'}")
     return summary

@@ -1,0 +1,194 @@
+"""Reading the hidden-state store: index lookups and memory-mapped sample slices.
+
+`HiddenStateStore(path)` validates the manifest (optionally against what the caller
+expects), loads the committed index (all index parts; a sample id committed twice, which
+only a retried write can cause, resolves to its first row), and returns a sample's tensors
+by slicing memory-mapped shards: only the sample's rows are read, never the whole shard.
+It works as a map-style torch Dataset (`store[i]`) and feeds Ray Data via `index_table()`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from eagle_ray.store.format import (INDEX_DIR, INDEX_SCHEMA, MANIFEST_FILE, SCHEMA_VERSION,
+                                    SHARDS_DIR, StoreManifest, sample_checksum)
+
+
+class StoreError(RuntimeError):
+    """A store is unreadable or a sample fails its checksum."""
+
+
+def read_manifest(root: str | Path) -> StoreManifest:
+    path = Path(root) / MANIFEST_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{root} is not a hidden-state store (no {MANIFEST_FILE})")
+    d = json.loads(path.read_text())
+    if d.get("schema_version") != SCHEMA_VERSION:
+        raise StoreError(f"{root}: store schema_version {d.get('schema_version')} is not "
+                         f"{SCHEMA_VERSION}, the version this eagle_ray reads")
+    return StoreManifest.from_dict(d)
+
+
+def read_index(root: str | Path) -> pa.Table:
+    """All committed index rows (temporary parts are not committed and are skipped)."""
+    parts = sorted((Path(root) / INDEX_DIR).glob("part-*.parquet"))
+    if not parts:
+        return INDEX_SCHEMA.empty_table()
+    return pa.concat_tables([pq.read_table(p, schema=INDEX_SCHEMA) for p in parts])
+
+
+def committed_ids(root: str | Path) -> set[str]:
+    if not (Path(root) / INDEX_DIR).exists():
+        return set()
+    return set(read_index(root).column("sample_id").to_pylist())
+
+
+def _first_occurrence(table: pa.Table) -> pa.Table:
+    ids = table.column("sample_id")
+    if pc.count_distinct(ids).as_py() == table.num_rows:
+        return table
+    seen, keep = set(), []
+    for i, sid in enumerate(ids.to_pylist()):
+        keep.append(sid not in seen)
+        seen.add(sid)
+    return table.filter(pa.array(keep))
+
+
+class HiddenStateStore:
+    def __init__(self, root: str | Path, *, expect: StoreManifest | None = None,
+                 max_open_shards: int = 64):
+        self.root = Path(root)
+        self.manifest = read_manifest(self.root)
+        if expect is not None:
+            diff = self.manifest.mismatches(expect)
+            if diff:
+                raise StoreError(f"{root} does not hold the expected features: " + "; ".join(
+                    f"{k}: store {a!r} vs expected {b!r}" for k, (a, b) in diff.items()))
+        self.index = _first_occurrence(read_index(self.root))
+        self._row_of = {sid: i for i, sid in enumerate(self.index.column("sample_id").to_pylist())}
+        self._cols = {c: self.index.column(c).to_pylist()
+                      for c in ("sample_id", "shard", "offset", "num_tokens", "checksum")}
+        self._open: OrderedDict[str, Any] = OrderedDict()
+        self._max_open = max_open_shards
+
+    def __len__(self) -> int:
+        return self.index.num_rows
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return self._cols["sample_id"]
+
+    def index_table(self) -> pa.Table:
+        return self.index
+
+    def _shard(self, name: str):
+        from safetensors import safe_open
+
+        h = self._open.get(name)
+        if h is None:
+            path = self.root / SHARDS_DIR / name
+            if not path.exists():
+                raise StoreError(f"shard {name} referenced by the index is missing from {self.root}")
+            h = safe_open(str(path), framework="pt")  # memory-mapped
+            self._open[name] = h
+            if len(self._open) > self._max_open:
+                self._open.popitem(last=False)
+        else:
+            self._open.move_to_end(name)
+        return h
+
+    def raw(self, key: int | str) -> dict[str, Any]:
+        """The sample's stored tensors (storage dtype), sliced from the shard."""
+        i = self._row_of[key] if isinstance(key, str) else int(key)
+        name, off, n = self._cols["shard"][i], self._cols["offset"][i], self._cols["num_tokens"][i]
+        h = self._shard(name)
+        return {k: h.get_slice(k)[off:off + n] for k in h.keys()}
+
+    def get(self, key: int | str, *, verify: bool = False, dtype=None) -> dict[str, Any]:
+        """{"input_ids" [T] int64, "loss_mask" [T] bool, "aux" [T, A*H], "final" [T, H]}
+        decoded to `dtype` (default float32); `verify` checks the sample's checksum."""
+        import torch
+
+        from eagle_ray.store.writer import tensor_bytes
+
+        raw = self.raw(key)
+        if verify:
+            i = self._row_of[key] if isinstance(key, str) else int(key)
+            got = sample_checksum([tensor_bytes(raw[k]) for k in sorted(raw)])
+            if got != self._cols["checksum"][i]:
+                raise StoreError(f"sample {self._cols['sample_id'][i]} in {self._cols['shard'][i]} "
+                                 "fails its checksum (corrupted shard)")
+        dtype = dtype or torch.float32
+        aux, final = raw["aux"].to(dtype), raw["final"].to(dtype)
+        if "aux_scale" in raw:  # fp8: per-token, per-layer scales
+            T = aux.shape[0]
+            A = raw["aux_scale"].shape[1]
+            aux = (aux.reshape(T, A, -1) * raw["aux_scale"].to(dtype)[..., None]).reshape(T, -1)
+            final = final * raw["final_scale"].to(dtype)
+        return {"input_ids": raw["input_ids"].long(), "loss_mask": raw["loss_mask"].bool(),
+                "aux": aux, "final": final}
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.get(i)
+
+
+def verify_store(root: str | Path) -> dict[str, Any]:
+    """Check every index row against its shard (exists, in bounds, checksum) and find
+    orphans. Returns {"samples", "shards", "problems": [...], "orphans": [...]}."""
+    from safetensors import safe_open
+
+    from eagle_ray.store.writer import tensor_bytes
+
+    root = Path(root)
+    problems: list[str] = []
+    manifest = read_manifest(root)
+    index = read_index(root)
+    ids = index.column("sample_id").to_pylist()
+    dup = len(ids) - len(set(ids))
+    if dup:
+        problems.append(f"{dup} sample id(s) committed more than once")
+    shards_on_disk = {p.name for p in (root / SHARDS_DIR).glob("shard-*.safetensors")}
+    referenced = set(index.column("shard").to_pylist())
+    for name in sorted(referenced - shards_on_disk):
+        problems.append(f"index references missing shard {name}")
+    by_shard: dict[str, list[dict]] = {}
+    for r in index.to_pylist():
+        by_shard.setdefault(r["shard"], []).append(r)
+    expected_keys = {"aux", "final", "input_ids", "loss_mask"} | (
+        {"aux_scale", "final_scale"} if manifest.dtype == "fp8_e4m3" else set())
+    for name in sorted(referenced & shards_on_disk):
+        try:
+            h = safe_open(str(root / SHARDS_DIR / name), framework="pt")
+            keys = set(h.keys())
+            if keys != expected_keys:
+                problems.append(f"{name}: tensors {sorted(keys)} != expected {sorted(expected_keys)}")
+                continue
+            T = h.get_slice("input_ids").get_shape()[0]
+            if h.get_slice("aux").get_shape() != [T, manifest.aux_width] or \
+                    h.get_slice("final").get_shape() != [T, manifest.hidden_size]:
+                problems.append(f"{name}: tensor shapes do not match the manifest")
+                continue
+            for r in by_shard[name]:
+                a, n = r["offset"], r["num_tokens"]
+                if a < 0 or a + n > T:
+                    problems.append(f"{r['sample_id']}: rows [{a}, {a + n}) outside {name} ({T} rows)")
+                    continue
+                got = sample_checksum([tensor_bytes(h.get_slice(k)[a:a + n]) for k in sorted(keys)])
+                if got != r["checksum"]:
+                    problems.append(f"{r['sample_id']}: checksum mismatch in {name}")
+        except Exception as e:  # an unreadable shard is a finding, not a crash
+            problems.append(f"{name}: unreadable ({type(e).__name__}: {e})")
+    orphans = sorted(shards_on_disk - referenced)
+    temps = sorted(p.name for d in (SHARDS_DIR, INDEX_DIR) for p in (root / d).glob(".*.tmp"))
+    return {"store": str(root), "samples": len(set(ids)), "shards": len(referenced),
+            "tokens": int(pc.sum(index.column("num_tokens")).as_py() or 0),
+            "problems": problems, "orphans": orphans, "temp_files": temps,
+            "ok": not problems and not orphans and not temps}

@@ -1,0 +1,163 @@
+"""Writing the hidden-state store: one shard + one index part per call, both atomic.
+
+Commit order (crash-safe):
+    shards/.shard-W-S.safetensors.tmp -> fsync -> rename shards/shard-W-S.safetensors
+    index/.part-W-S.parquet.tmp       -> fsync -> rename index/part-W-S.parquet   (commit)
+A crash before the second rename leaves an orphan shard (garbage that `store verify`
+reports and `store gc` removes), never an index row pointing at a partial shard. W is a
+per-writer id, so many extractor actors write one store concurrently without locks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle_ray.provenance import atomic_write_json, fsync_dir
+from eagle_ray.store.format import (FP8_MAX, INDEX_DIR, INDEX_SCHEMA, MANIFEST_FILE, SHARDS_DIR,
+                                    TORCH_DTYPES, StoreManifest, sample_checksum)
+
+logger = logging.getLogger(__name__)
+
+
+class StoreMismatchError(ValueError):
+    """The store at this path was written for another target / layers / tokenizer / dtype."""
+
+
+@dataclass
+class SampleFeatures:
+    """One sample's captured features (float32) and tokens, already end-truncated."""
+
+    sample_id: str
+    source: str | None
+    input_ids: np.ndarray      # [T] int
+    loss_mask: np.ndarray      # [T] bool
+    aux: "torch.Tensor"        # [T, A*H] float32  # noqa: F821
+    final: "torch.Tensor"      # [T, H] float32    # noqa: F821
+    num_tokens_untruncated: int
+
+
+def open_or_create(root: str | Path, manifest: StoreManifest) -> Path:
+    """Create the store layout, or check that an existing store means the same features."""
+    root = Path(root)
+    path = root / MANIFEST_FILE
+    if path.exists():
+        existing = StoreManifest.from_dict(json.loads(path.read_text()))
+        diff = existing.mismatches(manifest)
+        if diff:
+            detail = "; ".join(f"{k}: store has {a!r}, this run has {b!r}" for k, (a, b) in diff.items())
+            raise StoreMismatchError(
+                f"{root} was written for other features ({detail}). Refusing to mix them: "
+                "extract into a new store directory")
+    else:
+        (root / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+        (root / INDEX_DIR).mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, manifest.to_dict())
+    return root
+
+
+def encode(aux, final, dtype: str, num_layers_aux: int) -> dict:
+    """Float32 features -> storage tensors (fp8: per-token, per-layer absmax scales)."""
+    import torch
+
+    if dtype != "fp8_e4m3":
+        tdt = getattr(torch, TORCH_DTYPES[dtype])
+        return {"aux": aux.to(tdt).contiguous(), "final": final.to(tdt).contiguous()}
+    T = aux.shape[0]
+    a = aux.reshape(T, num_layers_aux, -1)
+    a_scale = (a.abs().amax(dim=-1) / FP8_MAX).clamp_min(1e-12)            # [T, A]
+    f_scale = (final.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)  # [T, 1]
+    return {"aux": (a / a_scale[..., None]).to(torch.float8_e4m3fn).reshape(T, -1).contiguous(),
+            "aux_scale": a_scale.float().contiguous(),
+            "final": (final / f_scale).to(torch.float8_e4m3fn).contiguous(),
+            "final_scale": f_scale.float().contiguous()}
+
+
+def tensor_bytes(t) -> bytes:
+    import torch
+
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+class StoreWriter:
+    def __init__(self, root: str | Path, manifest: StoreManifest, *, writer_id: str | None = None):
+        self.root = open_or_create(root, manifest)
+        self.manifest = manifest
+        self.writer_id = writer_id or uuid.uuid4().hex[:12]
+        self.seq = 0
+
+    def write_shard(self, samples: list[SampleFeatures]) -> pa.Table:
+        """Write samples as one shard and commit their index rows. Returns the rows."""
+        import torch
+        from safetensors.torch import save_file
+
+        if not samples:
+            return INDEX_SCHEMA.empty_table()
+        m = self.manifest
+        A, H = len(m.aux_layer_ids), m.hidden_size
+        for s in samples:
+            T = len(s.input_ids)
+            assert s.aux.shape == (T, A * H) and s.final.shape == (T, H), (s.aux.shape, s.final.shape, T)
+        ids = torch.from_numpy(np.concatenate([np.asarray(s.input_ids, np.int32) for s in samples]))
+        mask = torch.from_numpy(np.concatenate([np.asarray(s.loss_mask, np.uint8) for s in samples]))
+        tensors = encode(torch.cat([s.aux for s in samples]), torch.cat([s.final for s in samples]),
+                         m.dtype, A)
+        tensors.update(input_ids=ids, loss_mask=mask)
+
+        rows, offset = [], 0
+        for s in samples:
+            T = len(s.input_ids)
+            checksum = sample_checksum([tensor_bytes(tensors[k][offset:offset + T])
+                                        for k in sorted(tensors)])
+            rows.append({"sample_id": s.sample_id, "source": s.source, "offset": offset,
+                         "num_tokens": T, "num_loss_tokens": int(np.asarray(s.loss_mask).sum()),
+                         "truncated": s.num_tokens_untruncated > T,
+                         "num_tokens_untruncated": s.num_tokens_untruncated, "checksum": checksum})
+            offset += T
+
+        name = f"{self.writer_id}-{self.seq:05d}"
+        self.seq += 1
+        shard = self.root / SHARDS_DIR / f"shard-{name}.safetensors"
+        part = self.root / INDEX_DIR / f"part-{name}.parquet"
+        for r in rows:
+            r["shard"] = shard.name
+        table = pa.Table.from_pylist(rows, schema=INDEX_SCHEMA)
+        shard_tmp = shard.with_name(f".{shard.name}.tmp")
+        part_tmp = part.with_name(f".{part.name}.tmp")
+        try:
+            save_file(tensors, str(shard_tmp), metadata={"schema_version": str(m.schema_version),
+                                                         "dtype": m.dtype})
+            _fsync_file(shard_tmp)
+            os.replace(shard_tmp, shard)
+            fsync_dir(shard.parent)
+            with open(part_tmp, "wb") as f:
+                pq.write_table(table, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(part_tmp, part)  # the commit point
+            fsync_dir(part.parent)
+        except BaseException:
+            # ENOSPC and friends: leave nothing half-written. A shard whose index part did
+            # not land is garbage; remove it now rather than leave it for gc.
+            for p in (shard_tmp, part_tmp):
+                p.unlink(missing_ok=True)
+            if not part.exists():
+                shard.unlink(missing_ok=True)
+            raise
+        return table
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,137 @@
+import dataclasses
+import errno
+
+import numpy as np
+import pytest
+import torch
+
+from eagle_ray.store.format import StoreManifest
+from eagle_ray.store.reader import HiddenStateStore, StoreError, read_index, verify_store
+from eagle_ray.store.writer import SampleFeatures, StoreMismatchError, StoreWriter
+
+H, A = 16, 3
+
+
+def manifest(**kw):
+    base = dict(target_path="t", target_revision=None, target_fingerprint="fp", architecture="Llama",
+                hidden_size=H, num_layers=8, vocab_size=100, aux_layer_ids=(2, 4, 5), dtype="bf16",
+                max_seq_len=64, tokenizer_fingerprint="tok")
+    base.update(kw)
+    return StoreManifest(**base)
+
+
+def samples(n, seed=0, lengths=None):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        T = lengths[i] if lengths else 5 + 3 * i
+        out.append(SampleFeatures(
+            sample_id=f"s{seed}-{i}", source="src", input_ids=np.arange(T, dtype=np.int32) + i,
+            loss_mask=np.arange(T) >= T // 2,
+            aux=torch.randn(T, A * H, generator=g) * (1 + torch.arange(A).repeat_interleave(H)),
+            final=torch.randn(T, H, generator=g), num_tokens_untruncated=T + (i == 0) * 10))
+    return out
+
+
+def test_bf16_round_trip_is_bit_exact_and_sliced(tmp_path):
+    w = StoreWriter(tmp_path, manifest())
+    ss = samples(4)
+    w.write_shard(ss[:3])
+    w.write_shard(ss[3:])
+    store = HiddenStateStore(tmp_path)
+    assert len(store) == 4
+    for s in ss:
+        got = store.get(s.sample_id, verify=True, dtype=torch.bfloat16)
+        assert torch.equal(got["aux"], s.aux.to(torch.bfloat16))
+        assert torch.equal(got["final"], s.final.to(torch.bfloat16))
+        assert got["input_ids"].tolist() == s.input_ids.tolist()
+        assert got["loss_mask"].tolist() == s.loss_mask.tolist()
+    idx = read_index(tmp_path).to_pylist()
+    assert [r["offset"] for r in idx] == [0, 5, 13, 0]
+    assert idx[0]["truncated"] and not idx[1]["truncated"]
+    assert idx[1]["num_loss_tokens"] == int(ss[1].loss_mask.sum())
+    assert verify_store(tmp_path)["ok"]
+
+
+def test_fp8_halves_bytes_with_small_error(tmp_path):
+    ss = samples(3, lengths=[40, 40, 40])
+    StoreWriter(tmp_path / "bf16", manifest()).write_shard(ss)
+    StoreWriter(tmp_path / "fp8", manifest(dtype="fp8_e4m3")).write_shard(ss)
+    b = HiddenStateStore(tmp_path / "bf16")
+    f = HiddenStateStore(tmp_path / "fp8")
+    for s in ss:
+        x = f.get(s.sample_id, verify=True)
+        rel = (x["aux"] - s.aux).norm() / s.aux.norm()
+        assert 0 < rel < 0.05  # e4m3 has 3 mantissa bits: ~2-3% relative error
+    def data_bytes(store_dir):  # safetensors file = 8-byte header length + header + data
+        f = next((store_dir / "shards").iterdir()).read_bytes()
+        return len(f) - 8 - int.from_bytes(f[:8], "little")
+
+    T = 120
+    assert data_bytes(tmp_path / "bf16") == T * ((A + 1) * H * 2 + 5)
+    assert data_bytes(tmp_path / "fp8") == T * ((A + 1) * H * 1 + (A + 1) * 4 + 5)
+    assert verify_store(tmp_path / "fp8")["ok"]
+    assert b.get(0)["aux"].dtype == torch.float32
+
+
+def test_corrupted_byte_is_caught(tmp_path):
+    StoreWriter(tmp_path, manifest()).write_shard(samples(3))
+    shard = next((tmp_path / "shards").iterdir())
+    data = bytearray(shard.read_bytes())
+    data[-7] ^= 0x40  # a byte inside the last tensor's data
+    shard.write_bytes(bytes(data))
+    rep = verify_store(tmp_path)
+    assert not rep["ok"] and any("checksum mismatch" in p for p in rep["problems"])
+    store = HiddenStateStore(tmp_path)
+    bad = [sid for sid in store.sample_ids
+           if not _ok(lambda: store.get(sid, verify=True))]
+    assert len(bad) == 1
+
+
+def _ok(fn):
+    try:
+        fn()
+        return True
+    except StoreError:
+        return False
+
+
+def test_mismatched_manifest_is_refused(tmp_path):
+    StoreWriter(tmp_path, manifest()).write_shard(samples(1))
+    for change in (dict(aux_layer_ids=(2, 4, 6)), dict(target_fingerprint="other"),
+                   dict(tokenizer_fingerprint="x"), dict(dtype="fp8_e4m3")):
+        with pytest.raises(StoreMismatchError, match=list(change)[0]):
+            StoreWriter(tmp_path, manifest(**change))
+    with pytest.raises(StoreError, match="aux_layer_ids"):
+        HiddenStateStore(tmp_path, expect=manifest(aux_layer_ids=(1, 4, 5)))
+
+
+def test_enospc_leaves_nothing_half_written(tmp_path, monkeypatch):
+    w = StoreWriter(tmp_path, manifest())
+    w.write_shard(samples(2))
+    import safetensors.torch
+
+    def full_disk(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        w.write_shard(samples(2, seed=1))
+    rep = verify_store(tmp_path)
+    assert rep["ok"] and rep["samples"] == 2, rep
+    assert len(list((tmp_path / "shards").iterdir())) == 1
+
+
+def test_orphan_shard_and_duplicate_rows_reported(tmp_path):
+    w = StoreWriter(tmp_path, manifest())
+    w.write_shard(samples(2))
+    (tmp_path / "shards" / "shard-deadbeef-00000.safetensors").write_bytes(b"x")
+    rep = verify_store(tmp_path)
+    assert not rep["ok"] and rep["orphans"] == ["shard-deadbeef-00000.safetensors"]
+    (tmp_path / "shards" / "shard-deadbeef-00000.safetensors").unlink()
+    w.write_shard(samples(2))  # the same ids again, as a retried write could
+    rep = verify_store(tmp_path)
+    assert any("more than once" in p for p in rep["problems"])
+    assert len(HiddenStateStore(tmp_path)) == 2  # readers resolve to the first commit
