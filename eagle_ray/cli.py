@@ -106,6 +106,34 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_extract(args) -> int:
+    from eagle_ray.extract.run import run_extract
+
+    res = run_extract(_recipe(args), args.conversations, args.out, limit=args.limit)
+    print(f"extract: {res.extracted:,} samples ({res.tokens:,} tokens) written, "
+          f"{res.skipped_done:,} were already in the store -> {res.store} in {res.seconds:.1f}s")
+    return 0
+
+
+def cmd_store_verify(args) -> int:
+    from eagle_ray.store.reader import verify_store
+
+    rep = verify_store(args.store)
+    if args.json:
+        print(json.dumps(rep, indent=2))
+    else:
+        print(f"{rep['store']}: {rep['samples']:,} samples, {rep['tokens']:,} tokens in "
+              f"{rep['shards']:,} shards")
+        for p in rep["problems"]:
+            print(f"PROBLEM {p}")
+        for o in rep["orphans"]:
+            print(f"ORPHAN  {o} (no index row points to it)")
+        for t in rep["temp_files"]:
+            print(f"TEMP    {t} (an interrupted write)")
+        print("OK" if rep["ok"] else "FAILED")
+    return 0 if rep["ok"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle-ray", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -140,6 +168,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="only the first N prompts (smoke runs)")
     p.set_defaults(fn=cmd_generate)
 
+    p = sub.add_parser("extract", help="capture target hidden states into a store (Ray actor pool)")
+    _add_recipe_args(p)
+    p.add_argument("--conversations", required=True, help="generate output dir or conversations.parquet")
+    p.add_argument("--out", required=True, help="the hidden-state store directory")
+    p.add_argument("--limit", type=int, help="only the first N conversations (smoke runs)")
+    p.set_defaults(fn=cmd_extract)
+
+    p = sub.add_parser("store", help="hidden-state store tools")
+    store_sub = p.add_subparsers(dest="store_command", required=True)
+    v = store_sub.add_parser("verify", help="check every shard against the index; non-zero exit on problems")
+    v.add_argument("store")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(fn=cmd_store_verify)
+
     p = sub.add_parser("stats", help="token statistics of an ingested/generated/extracted table")
     p.add_argument("path")
     p.add_argument("--json", action="store_true")
@@ -155,13 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from eagle_ray.plan.budget import BudgetError
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-            PermissionError) as e:
+            PermissionError, BudgetError) as e:
         print(f"eagle-ray {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -201,6 +201,34 @@ class GenerateConfig:
                              "gpus_per_replica >= 0")
 
 
+EXTRACT_BACKENDS = ("vllm", "hf")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ExtractConfig:
+    """Hidden-state capture by extractor actors (target prefill over prompt + response)."""
+
+    backend: str = "vllm"
+    """vllm (production; tensor parallel for big targets) or hf (reference / small targets)."""
+    min_replicas: int = 1
+    max_replicas: int = 1
+    """The actor pool autoscales between these bounds as resources free up or join."""
+    batch_size: int = 8
+    """Samples per extractor call = samples per shard (the unit a killed run redoes)."""
+    gpus_per_replica: int = 1
+    """0 on the CPU recipe; tensor_parallel_size for the vllm backend on GPUs."""
+    num_cpus_per_replica: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in EXTRACT_BACKENDS:
+            raise ValueError(f"extract.backend={self.backend!r}; choose one of {', '.join(EXTRACT_BACKENDS)}")
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(f"extract.min_replicas={self.min_replicas}, max_replicas="
+                             f"{self.max_replicas}: need 1 <= min_replicas <= max_replicas")
+        if self.batch_size < 1 or self.gpus_per_replica < 0 or self.num_cpus_per_replica < 0:
+            raise ValueError("extract: need batch_size >= 1, gpus_per_replica >= 0, num_cpus_per_replica >= 0")
+
+
 @dataclass(kw_only=True, frozen=True)
 class Recipe:
     """Everything a run needs, by component."""
@@ -212,12 +240,18 @@ class Recipe:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
 
     def __post_init__(self) -> None:
         if self.generate.gpus_per_replica not in (0, self.target.tensor_parallel_size):
             raise ValueError(
                 f"generate.gpus_per_replica={self.generate.gpus_per_replica} must be 0 (CPU) or "
                 f"target.tensor_parallel_size={self.target.tensor_parallel_size}")
+        if self.extract.backend == "vllm" and self.extract.gpus_per_replica not in (
+                0, self.target.tensor_parallel_size):
+            raise ValueError(
+                f"extract.gpus_per_replica={self.extract.gpus_per_replica} must be 0 (CPU) or "
+                f"target.tensor_parallel_size={self.target.tensor_parallel_size} for the vllm backend")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -242,6 +276,8 @@ def tiny_cpu() -> Recipe:
         generate=GenerateConfig(max_tokens=128, batch_size=16, gpus_per_replica=0),
         engine=EngineConfig(dtype="float32", max_model_len=1024, enforce_eager=True,
                             kv_cache_memory_bytes=64 << 20, num_cpus_per_replica=0.5),
+        extract=ExtractConfig(backend="vllm", batch_size=16, gpus_per_replica=0,
+                              num_cpus_per_replica=0.5),
     )
 
 
@@ -257,6 +293,7 @@ def llama31_8b_8gpu() -> Recipe:
         drafter=DrafterConfig(draft_vocab_size=32000, num_key_value_heads=8),
         generate=GenerateConfig(max_tokens=8192, min_replicas=2, max_replicas=8,
                                 batch_size=64, gpus_per_replica=1),
+        extract=ExtractConfig(backend="vllm", min_replicas=1, max_replicas=8, batch_size=8),
     )
 
 
@@ -277,6 +314,8 @@ def kimi_k25_8gpu() -> Recipe:
         drafter=DrafterConfig(draft_vocab_size=32000, num_key_value_heads=8),
         generate=GenerateConfig(max_tokens=8192, min_replicas=1, max_replicas=1,
                                 batch_size=64, gpus_per_replica=8),
+        extract=ExtractConfig(backend="vllm", min_replicas=1, max_replicas=1, batch_size=4,
+                              gpus_per_replica=8),
     )
 
 

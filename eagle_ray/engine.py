@@ -107,7 +107,7 @@ def _placement_group_args(tp: int, cpus_per_bundle: float) -> dict[str, Any]:
 
 
 def pool_kwargs(recipe: Recipe, *, min_size: int, max_size: int, gpus_per_replica: int,
-                batch_size: int) -> dict[str, Any]:
+                batch_size: int, num_cpus: float, max_concurrency: int = 1) -> dict[str, Any]:
     """`Dataset.map_batches` arguments for a pool of engine replicas."""
     import ray
 
@@ -116,9 +116,9 @@ def pool_kwargs(recipe: Recipe, *, min_size: int, max_size: int, gpus_per_replic
         compute=ray.data.ActorPoolStrategy(min_size=min_size, max_size=max_size),
         batch_size=batch_size, batch_format="pyarrow",
         runtime_env={"env_vars": ENGINE_ENV},
-        num_cpus=recipe.engine.num_cpus_per_replica,
+        num_cpus=num_cpus,
         # Several batches in flight per replica keep the engine's batch full (EngineLoop).
-        max_concurrency=recipe.generate.batches_in_flight)
+        max_concurrency=max_concurrency)
     if gpus_per_replica == 0:
         kw["num_gpus"] = 0
     elif tp == 1:

@@ -97,7 +97,9 @@ def generation_dataset(recipe: Recipe, prompts: pa.Table, model_dir: Path):
     return ds.map_batches(GenerateUDF, fn_constructor_args=(recipe, str(model_dir)),
                           **pool_kwargs(recipe, min_size=g.min_replicas, max_size=g.max_replicas,
                                         gpus_per_replica=g.gpus_per_replica,
-                                        batch_size=g.batch_size))
+                                        batch_size=g.batch_size,
+                                        num_cpus=recipe.engine.num_cpus_per_replica,
+                                        max_concurrency=g.batches_in_flight))
 
 
 def _done_ids(parts_dir: Path) -> set[str]:

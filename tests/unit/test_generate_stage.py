@@ -19,7 +19,8 @@ def test_split_reasoning(text, started, expected):
 def _g(recipe):
     g = recipe.generate
     return pool_kwargs(recipe, min_size=g.min_replicas, max_size=g.max_replicas,
-                       gpus_per_replica=g.gpus_per_replica, batch_size=g.batch_size)
+                       gpus_per_replica=g.gpus_per_replica, batch_size=g.batch_size,
+                       num_cpus=recipe.engine.num_cpus_per_replica)
 
 
 def test_resources_cpu_recipe_requests_no_gpu():

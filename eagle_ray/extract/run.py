@@ -1,0 +1,162 @@
+"""Extraction run: Ray Data streams conversations through a pool of extractor actors.
+
+    conversations.parquet (or a Ray Dataset from generation)
+        ─▶ filter: sample ids not yet committed in the store (resume)
+        ─▶ map_batches(ExtractUDF, ActorPoolStrategy(min_size..max_size))   autoscaling pool
+               each call: prefill, capture, write shard + commit index part
+        ─▶ driver: progress (samples, tokens/s), final summary; store verify-able at any time
+
+Scaling: the pool grows from min_size to max_size on its own when resources free up
+(e.g. GPUs released by generation) or nodes join (cluster autoscaler); Ray Data cannot
+change a running pool's bounds, so to change the bounds stop the run and re-run it with
+`--set extract.max_replicas=N`: it resumes exactly where it stopped (committed samples
+are skipped, uncommitted ones redone), without losing or duplicating a sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from eagle_ray.config import Recipe, resolve_target_path
+from eagle_ray.extract.stage import INPUT_COLUMNS, ExtractUDF
+from eagle_ray.provenance import target_fingerprint, tokenizer_fingerprint
+from eagle_ray.store.format import StoreManifest
+from eagle_ray.store.reader import committed_ids
+from eagle_ray.store.writer import open_or_create
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ExtractResult:
+    store: Path
+    samples_total: int
+    skipped_done: int
+    extracted: int
+    tokens: int
+    seconds: float
+
+
+def make_manifest(recipe: Recipe, model_dir: Path, generation: dict | None = None) -> StoreManifest:
+    t = recipe.target
+    return StoreManifest(
+        target_path=t.path, target_revision=t.revision,
+        target_fingerprint=target_fingerprint(model_dir), architecture=t.architecture,
+        hidden_size=t.hidden_size, num_layers=t.num_layers, vocab_size=t.vocab_size,
+        aux_layer_ids=t.resolved_aux_layer_ids, dtype=recipe.storage.dtype,
+        max_seq_len=recipe.data.max_seq_len, tokenizer_fingerprint=tokenizer_fingerprint(model_dir),
+        generation=generation)
+
+
+def _check_target_shape(recipe: Recipe, model_dir: Path) -> None:
+    """The recipe's architecture numbers must describe the model on disk."""
+    import json
+
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.exists():
+        return
+    cfg = json.loads(cfg_path.read_text())
+    cfg = cfg.get("text_config", cfg)
+    got = {"hidden_size": cfg.get("hidden_size"), "num_layers": cfg.get("num_hidden_layers"),
+           "vocab_size": cfg.get("vocab_size")}
+    want = {k: getattr(recipe.target, k) for k in got}
+    bad = {k: (want[k], got[k]) for k in got if got[k] is not None and got[k] != want[k]}
+    if bad:
+        raise ValueError(f"recipe {recipe.name} says {', '.join(f'{k}={a}' for k, (a, _) in bad.items())} "
+                         f"but {model_dir} has {', '.join(f'{k}={b}' for k, (_, b) in bad.items())}")
+
+
+def extraction_dataset(recipe: Recipe, ds, store_dir: Path, model_dir: Path,
+                       manifest: StoreManifest):
+    """Map a Ray Dataset of conversation rows to committed index rows (lazy, streaming)."""
+    import ray
+
+    from eagle_ray.engine import check_gpus_available, pool_kwargs
+
+    e = recipe.extract
+    if e.backend == "vllm":
+        check_gpus_available(recipe, e.gpus_per_replica)
+        kw = pool_kwargs(recipe, min_size=e.min_replicas, max_size=e.max_replicas,
+                         gpus_per_replica=e.gpus_per_replica, batch_size=e.batch_size,
+                         num_cpus=e.num_cpus_per_replica)
+    else:
+        kw = dict(compute=ray.data.ActorPoolStrategy(min_size=e.min_replicas, max_size=e.max_replicas),
+                  batch_size=e.batch_size, batch_format="pyarrow",
+                  num_cpus=e.num_cpus_per_replica, num_gpus=min(e.gpus_per_replica, 1))
+    return ds.map_batches(ExtractUDF, fn_constructor_args=(recipe, str(model_dir), str(store_dir),
+                                                           manifest), **kw)
+
+
+def run_extract(recipe: Recipe, conversations: str | Path, store_dir: str | Path, *,
+                limit: int | None = None) -> ExtractResult:
+    """Extract every conversation not yet in the store; resumable and idempotent."""
+    import json
+
+    import ray
+
+    from eagle_ray.plan.budget import check_budget
+
+    t0 = time.time()
+    conv_path = Path(conversations)
+    conv_file = conv_path / "conversations.parquet" if conv_path.is_dir() else conv_path
+    if not conv_file.exists():
+        raise FileNotFoundError(f"{conv_file} does not exist; run `eagle-ray generate` first")
+    table = pq.read_table(conv_file)
+    missing = [c for c in INPUT_COLUMNS if c not in table.column_names]
+    if missing:
+        raise ValueError(f"{conv_file} lacks column(s) {', '.join(missing)}; is it a generate output?")
+    if limit is not None:
+        table = table.slice(0, limit)
+    gen_manifest = conv_file.parent / "manifest.json"
+    generation = None
+    if gen_manifest.exists():
+        g = json.loads(gen_manifest.read_text())
+        generation = {k: g.get(k) for k in ("mode", "sampling", "target", "vllm_version")}
+
+    store = Path(store_dir)
+    model_dir = resolve_target_path(recipe.target)
+    _check_target_shape(recipe, model_dir)
+    manifest = make_manifest(recipe, model_dir, generation)
+    open_or_create(store, manifest)  # refuses a store written for other features
+
+    done = committed_ids(store)
+    todo = table.filter(pc.invert(pc.is_in(table.column("sample_id"),
+                                           pa.array(sorted(done), pa.string()))))
+    n_tokens = pc.sum(pc.min_element_wise(
+        pc.add(table.column("num_prompt_tokens"), table.column("num_completion_tokens")),
+        recipe.data.max_seq_len)).as_py() or 0
+    skipped = table.num_rows - todo.num_rows
+    logger.info("extract: %d conversations, %d already in %s, %d to go (backend %s, %d..%d replicas)",
+                table.num_rows, skipped, store, todo.num_rows, recipe.extract.backend,
+                recipe.extract.min_replicas, recipe.extract.max_replicas)
+    extracted = tokens = 0
+    if todo.num_rows:
+        todo_tokens = int(n_tokens * todo.num_rows / max(1, table.num_rows))
+        check_budget(recipe, num_samples=todo.num_rows,
+                     avg_tokens=max(1.0, todo_tokens / todo.num_rows), out_dir=store)
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"))
+        e = recipe.extract
+        todo = todo.select(list(INPUT_COLUMNS))
+        blocks = [todo.slice(i, e.batch_size) for i in range(0, todo.num_rows, e.batch_size)]
+        ds = extraction_dataset(recipe, ray.data.from_arrow(blocks), store, model_dir, manifest)
+        last = t_start = time.time()
+        for rows in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+            extracted += rows.num_rows
+            tokens += pc.sum(rows.column("num_tokens")).as_py() or 0
+            if time.time() - last >= recipe.generate.progress_interval_s:
+                last = time.time()
+                logger.info("extract: %d/%d samples, %.0f tokens/s", skipped + extracted,
+                            table.num_rows, tokens / max(1e-9, time.time() - t_start))
+    logger.info("extract: %d samples, %d tokens this run in %.1fs -> %s", extracted, tokens,
+                time.time() - t0, store)
+    return ExtractResult(store=store, samples_total=table.num_rows, skipped_done=skipped,
+                         extracted=extracted, tokens=tokens, seconds=time.time() - t0)

@@ -1,0 +1,96 @@
+"""Extractor actor: conversations -> target prefill -> aux + final features -> store shard.
+
+Each call takes one batch of conversation rows, runs the target's prefill over
+`prompt_token_ids + completion_token_ids` (end-truncated at max_seq_len), captures the
+features (vLLM or HF backend, same interface), writes them as ONE shard + index part
+straight to the store (actors write to shared storage; features never travel through the
+object store to the driver), and returns the committed index rows, which are small.
+
+Token/feature alignment for a sample of T tokens (loss on the completion):
+
+    input_ids   p0 p1 .. pk-1 | c0 c1 .. cm-1        (T = min(k + m, max_seq_len))
+    loss_mask    0  0 ..  0   |  1  1 ..  1
+    aux[t]      features of the prefix ending at token t (layer inputs at position t)
+    final[t]    normed last-layer state at t: lm_head(final[t]) predicts token t+1
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pyarrow as pa
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from eagle_ray.store.format import INDEX_DIR, INDEX_SCHEMA, StoreManifest
+from eagle_ray.store.writer import SampleFeatures, StoreWriter
+
+logger = logging.getLogger(__name__)
+
+INPUT_COLUMNS = ("sample_id", "source", "prompt_token_ids", "completion_token_ids")
+
+
+def window(prompt_ids: list[int], completion_ids: list[int], max_seq_len: int):
+    """(input_ids [T] int32, loss_mask [T] bool, untruncated length): end-truncation."""
+    ids = np.asarray(list(prompt_ids) + list(completion_ids), dtype=np.int32)
+    mask = np.arange(len(ids)) >= len(prompt_ids)
+    return ids[:max_seq_len], mask[:max_seq_len], len(ids)
+
+
+def make_backend(recipe, model_path: str):
+    e, t = recipe.extract, recipe.target
+    aux = t.resolved_aux_layer_ids
+    if e.backend == "hf":
+        from eagle_ray.extract.hf_capture import HFCapture
+
+        import torch
+
+        device = "cuda" if e.gpus_per_replica > 0 and torch.cuda.is_available() else "cpu"
+        dtype = recipe.engine.dtype if recipe.engine.dtype != "auto" else "bfloat16"
+        return HFCapture(model_path, aux, device=device, dtype=dtype, revision=t.revision,
+                         trust_remote_code=t.trust_remote_code)
+    from eagle_ray.engine import engine_kwargs
+    from eagle_ray.extract.vllm_capture import VllmCapture
+
+    kw = engine_kwargs(recipe, model_path)
+    kw.pop("model")
+    return VllmCapture(model_path, aux, kw)
+
+
+class ExtractUDF:
+    """Ray Data actor: one backend (model loaded once) and one store writer per actor."""
+
+    def __init__(self, recipe, model_path: str, store_dir: str, manifest: StoreManifest):
+        self.recipe = recipe
+        self.store_dir = store_dir
+        self.backend = make_backend(recipe, model_path)
+        self.writer = StoreWriter(store_dir, manifest)
+        self._seen_parts: set[str] = set()
+        self._done: set[str] = set()
+
+    def _committed(self) -> set[str]:
+        """Sample ids committed by any writer so far (reads only index parts not seen yet)."""
+        for p in sorted((Path(self.store_dir) / INDEX_DIR).glob("part-*.parquet")):
+            if p.name not in self._seen_parts:
+                self._seen_parts.add(p.name)
+                self._done.update(pq.read_table(p, columns=["sample_id"]).column(0).to_pylist())
+        return self._done
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        cols = {c: batch.column(c).to_pylist() for c in INPUT_COLUMNS}
+        # A retried batch (actor died after committing) must not commit its samples twice.
+        done = self._committed()
+        keep = [i for i, sid in enumerate(cols["sample_id"]) if sid not in done]
+        if not keep:
+            return INDEX_SCHEMA.empty_table()
+        windows = [window(cols["prompt_token_ids"][i], cols["completion_token_ids"][i],
+                          self.recipe.data.max_seq_len) for i in keep]
+        feats = self.backend.capture([w[0].tolist() for w in windows])
+        samples = [SampleFeatures(sample_id=cols["sample_id"][i], source=cols["source"][i],
+                                  input_ids=ids, loss_mask=mask, aux=aux, final=final,
+                                  num_tokens_untruncated=n)
+                   for i, (ids, mask, n), (aux, final) in zip(keep, windows, feats)]
+        return self.writer.write_shard(samples)
