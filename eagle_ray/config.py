@@ -67,6 +67,9 @@ class TargetConfig:
             raise ValueError(
                 f"target.aux_layer_ids={list(ids)} must be distinct and within "
                 f"[0, {self.num_layers - 1}] for a {self.num_layers}-layer target")
+        if list(ids) != sorted(ids):
+            raise ValueError(f"target.aux_layer_ids={list(ids)} must be ascending (the feature "
+                             "columns are stored in layer order)")
         if len(ids) != 3:
             raise ValueError(f"target.aux_layer_ids must name 3 layers (EAGLE-3 fuses 3), got {list(ids)}")
 

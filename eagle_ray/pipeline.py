@@ -1,7 +1,7 @@
 """The end-to-end pipeline, stage by stage (the job in jobs/end_to_end.py calls this).
 
 Stages so far: target (build the tiny target on first use) -> ingest -> stats -> plan ->
-generate (Ray Data -> vLLM replicas).
+generate (Ray Data -> vLLM replicas) -> extract (Ray Data -> extractor actors -> store).
 Each stage writes under OUT/<stage>/ and can be re-run on its own with the CLI.
 """
 
@@ -51,7 +51,7 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
     print(format_stats(stats))
 
     plan = plan_from_stats(recipe, stats, token_lengths(out / "ingest").to_numpy(),
-                           out_dir=recipe.storage.out_dir)
+                           out_dir=out / "store")
     print(format_plan(plan))
     from eagle_ray.generate.run import run_generate
 
@@ -63,12 +63,25 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
     gen_stats = compute_stats(out / "generate")
     print(format_stats(gen_stats))
 
+    from eagle_ray.extract.run import run_extract
+    from eagle_ray.store.reader import verify_store
+
+    t0 = time.time()
+    ext = run_extract(recipe, out / "generate", out / "store")
+    timings["extract"] = time.time() - t0
+    check = verify_store(out / "store")
+    print(f"extract: {ext.extracted:,} samples, {ext.tokens:,} tokens this run -> {out / 'store'}; "
+          f"store verify: {check['samples']:,} samples in {check['shards']:,} shards, "
+          f"{'OK' if check['ok'] else 'PROBLEMS: ' + str(check['problems'][:3])}")
+
     summary = {"recipe": recipe.to_dict(), "target_dir": str(target_dir),
                "ingest": {k: getattr(res, k) for k in
                           ("lines_read", "accepted", "duplicates", "rejected", "sampled_out")},
                "stats": stats, "plan": plan.to_dict(),
                "generate": {"generated": gen.generated, "rejected": gen.rejected},
-               "generate_stats": gen_stats, "timings_s": timings}
+               "generate_stats": gen_stats,
+               "extract": {"extracted": ext.extracted, "tokens": ext.tokens},
+               "store_verify": check, "timings_s": timings}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     print(f"summary: {out / 'summary.json'}")
     return summary
