@@ -115,6 +115,17 @@ def cmd_extract(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from eagle_ray.train.run import run_train
+
+    m = run_train(_recipe(args), args.store, args.out)
+    print("train: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                for k, v in m.items() if k in ("step", "train/loss", "val/acc_step0",
+                                                               "val/acc_step1", "train/tokens_per_s")))
+    print(f"run directory: {args.out} (checkpoints/, metrics.jsonl, tensorboard/)")
+    return 0
+
+
 def cmd_store_verify(args) -> int:
     from eagle_ray.store.reader import verify_store
 
@@ -174,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the hidden-state store directory")
     p.add_argument("--limit", type=int, help="only the first N conversations (smoke runs)")
     p.set_defaults(fn=cmd_extract)
+
+    p = sub.add_parser("train", help="train the EAGLE-3 drafter with Ray Train DDP (resumes RUN_DIR)")
+    _add_recipe_args(p)
+    p.add_argument("--store", required=True)
+    p.add_argument("--out", required=True, help="run directory (re-run to resume)")
+    p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("store", help="hidden-state store tools")
     store_sub = p.add_subparsers(dest="store_command", required=True)

@@ -233,6 +233,44 @@ class ExtractConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class TrainConfig:
+    """Drafter training with Ray Train (DDP: nccl on GPUs, gloo on the CPU)."""
+
+    num_workers: int = 8
+    """One worker per GPU (8 on the GPU recipes)."""
+    use_gpu: bool = True
+    cpus_per_worker: float = 1.0
+    lr: float = 5e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 100
+    max_steps: int = 10_000
+    """Optimizer steps (the cosine schedule decays over these)."""
+    tokens_per_batch: int = 16_384
+    """Token budget of one micro-batch per worker (padded B x T), filled by length bucketing."""
+    grad_accum: int = 1
+    grad_clip: float = 0.5
+    loss_decay: float = 0.8
+    """Weight of TTT step j is loss_decay**j."""
+    val_fraction: float = 0.05
+    eval_interval: int = 500
+    ckpt_interval: int = 500
+    log_interval: int = 20
+    seed: int = 0
+    bf16: bool = True
+    """bf16 autocast on GPUs (ignored on the CPU)."""
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1 or self.max_steps < 1 or self.grad_accum < 1:
+            raise ValueError("train: need num_workers >= 1, max_steps >= 1, grad_accum >= 1")
+        if self.tokens_per_batch < 16:
+            raise ValueError(f"train.tokens_per_batch={self.tokens_per_batch} is too small")
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"train.val_fraction={self.val_fraction} must be in (0, 1)")
+        if self.lr <= 0 or self.grad_clip <= 0:
+            raise ValueError("train: need lr > 0 and grad_clip > 0")
+
+
+@dataclass(kw_only=True, frozen=True)
 class Recipe:
     """Everything a run needs, by component."""
 
@@ -244,6 +282,7 @@ class Recipe:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
         if self.generate.gpus_per_replica not in (0, self.target.tensor_parallel_size):
@@ -281,6 +320,10 @@ def tiny_cpu() -> Recipe:
                             kv_cache_memory_bytes=64 << 20, num_cpus_per_replica=0.5),
         extract=ExtractConfig(backend="vllm", batch_size=16, gpus_per_replica=0,
                               num_cpus_per_replica=0.5),
+        train=TrainConfig(num_workers=2, use_gpu=False, cpus_per_worker=0.5, lr=3e-3,
+                          warmup_steps=20, max_steps=300, tokens_per_batch=2048, grad_clip=0.5,
+                          val_fraction=0.1, eval_interval=100, ckpt_interval=100, log_interval=20,
+                          bf16=False),
     )
 
 

@@ -1,0 +1,139 @@
+"""Training data from the hidden-state store: split, draft vocab counts, batches, loader.
+
+Each Ray Train worker reads its own batches straight from the store (memory-mapped shard
+slices on shared storage) instead of streaming features through Ray Data's object store:
+the features are the bulk of the bytes (8H per token), a per-rank reader never copies them
+through another process, and the data position is two integers (epoch, step), so a resumed
+run continues with exactly the batches it would have seen. bench/bench_train.py measures
+the fraction of step time spent waiting for data.
+
+Batching: length bucketing under a token budget. Samples are sorted by length inside
+shuffled windows, cut into micro-batches whose padded size B x T_max stays under
+`tokens_per_batch`, and the batch order is shuffled per epoch (seeded). Packing would waste
+no padding but needs per-sample attention masks through every TTT step; bucketing keeps
+padding small (similar lengths together) with plain right padding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import random
+import threading
+import time
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from eagle_ray.store.reader import HiddenStateStore
+
+
+def split_ids(ids: Sequence[str], val_fraction: float) -> tuple[list[str], list[str]]:
+    """Stable train/validation split by sample-id hash (adding samples keeps old ones put)."""
+    train, val = [], []
+    for sid in ids:
+        h = int.from_bytes(hashlib.blake2b(sid.encode(), digest_size=8).digest(), "little")
+        (val if h / 2**64 < val_fraction else train).append(sid)
+    return train, val
+
+
+def loss_token_counts(store: HiddenStateStore, ids: Sequence[str], vocab_size: int) -> torch.Tensor:
+    """[V] counts of tokens at loss-masked positions (only ids and masks are read)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for sid in ids:
+        raw = store.raw(sid)
+        tok = raw["input_ids"].long()[raw["loss_mask"].bool()]
+        counts += torch.bincount(tok, minlength=vocab_size)
+    return counts
+
+
+def make_batches(lengths: Sequence[int], tokens_per_batch: int, seed: int) -> list[list[int]]:
+    """Micro-batches of sample indices, padded size <= tokens_per_batch (a longer sample
+    gets a batch of its own). Deterministic for (lengths, budget, seed)."""
+    rng = random.Random(seed)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    window = 64 * max(1, tokens_per_batch // max(1, int(np.mean(lengths)) if len(lengths) else 1))
+    batches: list[list[int]] = []
+    for lo in range(0, len(order), window):
+        chunk = sorted(order[lo:lo + window], key=lambda i: lengths[i])
+        cur: list[int] = []
+        for i in chunk:
+            if cur and (len(cur) + 1) * max(lengths[i], max(lengths[j] for j in cur)) > tokens_per_batch:
+                batches.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(store: HiddenStateStore, ids: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids/loss_mask/attention_mask [B, T], aux [B, T, 3H], final [B, T, H]."""
+    samples = [store.get(sid) for sid in ids]
+    B, T = len(samples), max(len(s["input_ids"]) for s in samples)
+    A, H = samples[0]["aux"].shape[1], samples[0]["final"].shape[1]
+    out = {"input_ids": torch.zeros(B, T, dtype=torch.long),
+           "loss_mask": torch.zeros(B, T, dtype=torch.bool),
+           "attention_mask": torch.zeros(B, T, dtype=torch.bool),
+           "aux": torch.zeros(B, T, A), "final": torch.zeros(B, T, H)}
+    for b, s in enumerate(samples):
+        n = len(s["input_ids"])
+        out["input_ids"][b, :n] = s["input_ids"]
+        out["loss_mask"][b, :n] = s["loss_mask"]
+        out["attention_mask"][b, :n] = True
+        out["aux"][b, :n] = s["aux"]
+        out["final"][b, :n] = s["final"]
+    return out
+
+
+class RankBatches:
+    """The micro-batches of one rank for one epoch: global batch g = step * world * accum + i
+    goes to rank (i // accum) as its (i % accum)-th micro-batch, so W workers x A accum steps
+    see the same global batches as 1 worker x (W*A) accum steps."""
+
+    def __init__(self, store: HiddenStateStore, ids: Sequence[str], *, tokens_per_batch: int,
+                 seed: int, epoch: int, rank: int, world: int, accum: int):
+        lengths = [store._cols["num_tokens"][store._row_of[s]] for s in ids]
+        batches = make_batches(lengths, tokens_per_batch, seed * 1_000_003 + epoch)
+        per_step = world * accum
+        self.steps = len(batches) // per_step  # drop the ragged tail so all ranks step together
+        self.store, self.ids, self.batches = store, list(ids), batches
+        self.rank, self.world, self.accum = rank, world, accum
+
+    def micro_batches(self, step: int) -> list[list[str]]:
+        base = step * self.world * self.accum + self.rank * self.accum
+        return [[self.ids[i] for i in self.batches[base + k]] for k in range(self.accum)]
+
+
+class Prefetcher:
+    """Loads the next steps' micro-batches on a thread while the current step computes;
+    records how long the training loop waited for data."""
+
+    def __init__(self, rb: RankBatches, start_step: int, depth: int = 2):
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.wait_s = 0.0
+        self._t = threading.Thread(target=self._run, args=(rb, start_step), daemon=True)
+        self._t.start()
+
+    def _run(self, rb: RankBatches, start: int) -> None:
+        try:
+            for step in range(start, rb.steps):
+                self.q.put((step, [collate(rb.store, mb) for mb in rb.micro_batches(step)]))
+        except BaseException as e:  # surface loader errors in the training loop
+            self.q.put(e)
+            return
+        self.q.put(None)
+
+    def __iter__(self) -> Iterator[tuple[int, list[dict[str, torch.Tensor]]]]:
+        while True:
+            t0 = time.perf_counter()
+            item = self.q.get()
+            self.wait_s += time.perf_counter() - t0
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item

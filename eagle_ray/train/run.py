@@ -1,0 +1,113 @@
+"""Drafter training run (driver side): vocab, split, provenance, Ray Train TorchTrainer.
+
+    store ─▶ split ids (stable hash) ─▶ draft vocab from loss-token counts (train split)
+          ─▶ TorchTrainer(train_loop_per_worker, ScalingConfig(num_workers, use_gpu))
+          ─▶ RUN_DIR/{checkpoints/, metrics.jsonl, tensorboard/, run.json}
+
+Re-running with the same RUN_DIR resumes from its latest checkpoint (same vocab and split:
+they are read back from run.json, never recomputed differently).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from eagle_ray.config import Recipe, resolve_target_path
+from eagle_ray.provenance import atomic_write_json, provenance
+
+logger = logging.getLogger(__name__)
+
+
+def drafter_arch(recipe: Recipe, target_dir: Path):
+    from eagle_ray.model.drafter import drafter_arch_from_target_config
+
+    cfg = json.loads((target_dir / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    d = recipe.drafter
+    over: dict[str, Any] = {}
+    if d.num_attention_heads:
+        over["num_attention_heads"] = d.num_attention_heads
+        over["head_dim"] = recipe.target.hidden_size // d.num_attention_heads
+    if d.num_key_value_heads:
+        over["num_key_value_heads"] = d.num_key_value_heads
+    over["intermediate_size"] = recipe.target.intermediate_size
+    return drafter_arch_from_target_config(cfg, d.draft_vocab_size, ttt_steps=d.ttt_steps, **over)
+
+
+def prepare_run(recipe: Recipe, store_dir: str | Path, run_dir: str | Path) -> dict[str, Any]:
+    """The run's fixed inputs (written once to run.json; a resumed run reads them back)."""
+    import hashlib
+
+    from eagle_ray.model.vocab import build_draft_vocab
+    from eagle_ray.store.reader import HiddenStateStore
+    from eagle_ray.train.data import loss_token_counts, split_ids
+
+    run = Path(run_dir)
+    path = run / "run.json"
+    manifest_bytes = (Path(store_dir) / "manifest.json").read_bytes()
+    if path.exists():
+        info = json.loads(path.read_text())
+        if info["store_manifest_sha256"] != hashlib.sha256(manifest_bytes).hexdigest():
+            raise ValueError(f"{run} was started on another store; use a new --out run directory")
+        return info
+    store = HiddenStateStore(store_dir)
+    target_dir = resolve_target_path(recipe.target)
+    arch = drafter_arch(recipe, target_dir)
+    if store.manifest.hidden_size != arch.hidden_size:
+        raise ValueError(f"store hidden size {store.manifest.hidden_size} != target's {arch.hidden_size}")
+    train_ids, val_ids = split_ids(sorted(store.sample_ids), recipe.train.val_fraction)
+    if not val_ids:
+        train_ids, val_ids = train_ids[1:], train_ids[:1]
+    counts = loss_token_counts(store, train_ids, arch.target_vocab_size)
+    d2t, t2d = build_draft_vocab(counts, arch.draft_vocab_size)
+    info = {"recipe": recipe.to_dict(), "arch": asdict(arch), "store": str(Path(store_dir).resolve()),
+            "store_manifest": json.loads(manifest_bytes),
+            "store_manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
+            "target_dir": str(target_dir), "train_ids": train_ids, "val_ids": val_ids,
+            "d2t": d2t.tolist(), "most_common_token": int(counts.argmax()),
+            "most_common_token_share": float(counts.max() / max(1, counts.sum())),
+            "provenance": provenance()}
+    run.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, info)
+    return info
+
+
+def run_train(recipe: Recipe, store_dir: str | Path, run_dir: str | Path) -> dict[str, Any]:
+    """Train (or resume) the drafter; returns the last logged metrics."""
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from eagle_ray.train.loop import train_loop_per_worker
+
+    run = Path(run_dir).resolve()
+    info = prepare_run(recipe, store_dir, run)
+    t = recipe.train
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"))
+    use_gpu = t.use_gpu and ray.cluster_resources().get("GPU", 0) >= t.num_workers
+    if t.use_gpu and not use_gpu:
+        raise ValueError(f"recipe {recipe.name} trains on {t.num_workers} GPU workers but the Ray "
+                         f"cluster has {ray.cluster_resources().get('GPU', 0):g} GPUs; use "
+                         "--set train.use_gpu=false (CPU, gloo) or add GPUs")
+    cfg = {"run_dir": str(run), "store": info["store"], "target_dir": info["target_dir"],
+           "arch": info["arch"], "d2t": info["d2t"], "train_ids": info["train_ids"],
+           "val_ids": info["val_ids"],
+           "train": {**asdict(t), "use_gpu": use_gpu, "ttt_steps": recipe.drafter.ttt_steps},
+           "threads_per_worker": max(1, int(t.cpus_per_worker))}
+    resources = {"CPU": t.cpus_per_worker} | ({"GPU": 1} if use_gpu else {})
+    trainer = TorchTrainer(
+        train_loop_per_worker, train_loop_config=cfg,
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=t.num_workers, use_gpu=use_gpu,
+                                     resources_per_worker=resources),
+        run_config=RunConfig(name="train", storage_path=str(run / "ray"),
+                             failure_config=FailureConfig(max_failures=0)))
+    trainer.fit()
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return json.loads(lines[-1]) if lines else {}
