@@ -321,7 +321,7 @@ def tiny_cpu() -> Recipe:
         extract=ExtractConfig(backend="vllm", batch_size=16, gpus_per_replica=0,
                               num_cpus_per_replica=0.5),
         train=TrainConfig(num_workers=2, use_gpu=False, cpus_per_worker=0.5, lr=3e-3,
-                          warmup_steps=20, max_steps=300, tokens_per_batch=2048, grad_clip=0.5,
+                          warmup_steps=20, max_steps=200, tokens_per_batch=2048, grad_clip=0.5,
                           val_fraction=0.1, eval_interval=100, ckpt_interval=100, log_interval=20,
                           bf16=False),
     )

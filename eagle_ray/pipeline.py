@@ -1,7 +1,8 @@
 """The end-to-end pipeline, stage by stage (the job in jobs/end_to_end.py calls this).
 
 Stages so far: target (build the tiny target on first use) -> ingest -> stats -> plan ->
-generate (Ray Data -> vLLM replicas) -> extract (Ray Data -> extractor actors -> store).
+generate (Ray Data -> vLLM replicas) -> extract (Ray Data -> extractor actors -> store) ->
+train (Ray Train DDP).
 Each stage writes under OUT/<stage>/ and can be re-run on its own with the CLI.
 """
 
@@ -74,6 +75,15 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
           f"store verify: {check['samples']:,} samples in {check['shards']:,} shards, "
           f"{'OK' if check['ok'] else 'PROBLEMS: ' + str(check['problems'][:3])}")
 
+    from eagle_ray.train.run import run_train
+
+    t0 = time.time()
+    train = run_train(recipe, out / "store", out / "train")
+    timings["train"] = time.time() - t0
+    print(f"train: step {train.get('step')}, held-out step-0 accuracy "
+          f"{train.get('val/acc_step0', float('nan')):.3f}, step-1 "
+          f"{train.get('val/acc_step1', float('nan')):.3f} -> {out / 'train'}")
+
     summary = {"recipe": recipe.to_dict(), "target_dir": str(target_dir),
                "ingest": {k: getattr(res, k) for k in
                           ("lines_read", "accepted", "duplicates", "rejected", "sampled_out")},
@@ -81,7 +91,7 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
                "generate": {"generated": gen.generated, "rejected": gen.rejected},
                "generate_stats": gen_stats,
                "extract": {"extracted": ext.extracted, "tokens": ext.tokens},
-               "store_verify": check, "timings_s": timings}
+               "store_verify": check, "train": train, "timings_s": timings}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     print(f"summary: {out / 'summary.json'}")
     return summary
