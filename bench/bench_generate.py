@@ -26,6 +26,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--in-flight", type=int, default=16, help="generate.batches_in_flight")
     args = ap.parse_args()
 
     import pyarrow as pa
@@ -43,7 +44,7 @@ def main() -> int:
 
     recipe = load_recipe("tiny_cpu", [f"generate.max_tokens={args.max_tokens}",
                                       f"generate.batch_size={args.batch_size}",
-                                      "engine.num_cpus_per_replica=2"])  # the replica owns the machine, as the bare run does
+                                      "engine.num_cpus_per_replica=2", f"generate.batches_in_flight={args.in_flight}"])  # the replica owns the machine, as the bare run does
     model = str(resolve_target_path(recipe.target))
     tmp = Path(tempfile.mkdtemp(prefix="bench_gen_"))
     lines = [json.dumps({"messages": c}) for c in corpus.conversations(args.prompts * 2, seed=11)]

@@ -183,7 +183,7 @@ class GenerateConfig:
     """Prompts per Ray Data batch (one vLLM call; the unit lost when a run is killed)."""
     gpus_per_replica: int = 1
     """0 on the CPU recipe; tensor_parallel_size GPUs per replica otherwise."""
-    batches_in_flight: int = 4
+    batches_in_flight: int = 16
     """Batches one replica works on at once (continuous batching across batch boundaries)."""
     think_start: str = "<think>"
     think_end: str = "</think>"

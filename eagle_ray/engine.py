@@ -113,7 +113,9 @@ def pool_kwargs(recipe: Recipe, *, min_size: int, max_size: int, gpus_per_replic
 
     tp = recipe.target.tensor_parallel_size
     kw: dict[str, Any] = dict(
-        compute=ray.data.ActorPoolStrategy(min_size=min_size, max_size=max_size),
+        # Queue as many batches per actor as it runs at once, so none waits on the driver.
+        compute=ray.data.ActorPoolStrategy(min_size=min_size, max_size=max_size,
+                                           max_tasks_in_flight_per_actor=max(4, max_concurrency)),
         batch_size=batch_size, batch_format="pyarrow",
         runtime_env={"env_vars": ENGINE_ENV},
         num_cpus=num_cpus,

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 OVERRIDES = ["generate.min_replicas=2", "generate.max_replicas=2", "generate.max_tokens=40",
              "generate.batch_size=8", "engine.max_model_len=192", "engine.num_cpus_per_replica=1",
-             "generate.progress_interval_s=1"]
+             "generate.progress_interval_s=1", "generate.batches_in_flight=2"]
 N_PROMPTS = 120
 
 
