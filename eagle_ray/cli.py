@@ -126,6 +126,26 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from eagle_ray.export.drafter import export_drafter
+
+    out = export_drafter(args.run, args.out)
+    print(f"export: drafter written to {out} (vLLM: speculative_config="
+          f'{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": K}})')
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    from eagle_ray.evaluate.run import run_evaluate
+
+    r = run_evaluate(_recipe(args), args.drafter, args.prompts, args.out, k=args.k, limit=args.limit)
+    print(f"evaluate: mean acceptance length offline {r['offline']['mean_acceptance_length']:.3f}, "
+          f"online {r['online']['mean_acceptance_length']:.3f}, untrained "
+          f"{r['untrained']['mean_acceptance_length']:.3f}, n-gram {r['ngram']['mean_acceptance_length']:.3f}; "
+          f"outputs identical: {r['outputs_identical']} -> {args.out}/report.md")
+    return 0 if r["outputs_identical"] else 1
+
+
 def cmd_store_verify(args) -> int:
     from eagle_ray.store.reader import verify_store
 
@@ -191,6 +211,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", required=True)
     p.add_argument("--out", required=True, help="run directory (re-run to resume)")
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("export", help="write a drafter directory vLLM loads (method eagle3)")
+    p.add_argument("--run", required=True, help="training run directory")
+    p.add_argument("--out", required=True, help="drafter directory")
+    p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("evaluate", help="offline + online (vLLM) acceptance vs untrained and n-gram")
+    _add_recipe_args(p)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--prompts", required=True, help="ingest output dir (held-out prompts are used)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--k", type=int, help="draft tokens per step (default drafter.num_speculative_tokens)")
+    p.add_argument("--limit", type=int, default=64, help="held-out prompts to run online")
+    p.set_defaults(fn=cmd_evaluate)
 
     p = sub.add_parser("store", help="hidden-state store tools")
     store_sub = p.add_subparsers(dest="store_command", required=True)

@@ -130,8 +130,12 @@ class DrafterConfig:
     num_key_value_heads: int | None = None
     """None: same as num_attention_heads."""
     ttt_steps: int = 7
+    num_speculative_tokens: int = 5
+    """Chain length k used when evaluating in vLLM (and recommended for serving)."""
 
     def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError("drafter.num_speculative_tokens must be >= 1")
         if self.draft_vocab_size <= 0:
             raise ValueError(f"drafter.draft_vocab_size must be > 0, got {self.draft_vocab_size}")
         if self.ttt_steps < 1:

@@ -1,0 +1,121 @@
+"""Acceptance evaluation of a drafter: offline (simulated on held-out store samples) and
+online (real vLLM speculative decoding, read from vLLM's own counters).
+
+Metric, pooled the way vLLM pools it:
+    mean acceptance length = 1 + (accepted draft tokens) / (drafts)
+    per-position acceptance[j] = (drafts whose first j+1 tokens were all accepted) / (drafts)
+where a draft is one proposal of k tokens. Pooling weights every draft equally; a
+per-request mean would weight every request equally, so short requests (few drafts) would
+count as much as long ones. We report the pooled number only, as vLLM does.
+
+Offline simulation (greedy chain drafting): every held-out position t with a valid step-0
+target is one draft. TTT step j at column t feeds the ground-truth token x_{t+1+j}; as long
+as steps 0..j-1 were accepted that token IS the drafter's own previous guess, so the leading
+run of correct steps equals what chain drafting from t would get accepted against the
+target's greedy choice (the teacher argmax). Online, vLLM drafts only from positions it
+actually reaches, so the two differ by sampling of positions, not by definition.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def pooled(num_drafts: int, accepted_per_pos: list[int]) -> dict[str, Any]:
+    d = max(1, num_drafts)
+    return {"num_drafts": num_drafts, "accepted_per_pos": accepted_per_pos,
+            "per_position_acceptance": [a / d for a in accepted_per_pos],
+            "mean_acceptance_length": 1 + sum(accepted_per_pos) / d}
+
+
+@torch.no_grad()
+def offline_acceptance(run_info: dict, drafter_state: dict | None, k: int,
+                       max_samples: int = 256) -> dict[str, Any]:
+    """Simulated acceptance on the run's held-out split (drafter_state None = untrained)."""
+    from eagle_ray.export.drafter import build_drafter
+    from eagle_ray.store.reader import HiddenStateStore
+    from eagle_ray.train.data import collate
+    from eagle_ray.train.target_weights import load_embed_and_lm_head
+
+    model = build_drafter(run_info, drafter_state).eval()
+    embed, head = load_embed_and_lm_head(run_info["target_dir"])
+    model.set_target_weights(embed.float(), head.float())
+    store = HiddenStateStore(run_info["store"])
+    ids = run_info["val_ids"][:max_samples]
+    drafts, accepted = 0, [0] * k
+    for lo in range(0, len(ids), 16):
+        out = model.ttt_outputs(collate(store, ids[lo:lo + 16]), ttt_steps=k)
+        run = torch.ones_like(out.valid[0])
+        drafts += int(out.valid[0].sum())
+        for j in range(k):
+            run = run & out.correct[j]  # correct implies valid
+            accepted[j] += int(run.sum())
+    return pooled(drafts, accepted) | {"samples": len(ids), "k": k}
+
+
+def _spec_counters(llm) -> tuple[int, list[int]]:
+    m = {x.name: x for x in llm.get_metrics()}
+    drafts = int(getattr(m.get("vllm:spec_decode_num_drafts"), "value", 0) or 0)
+    per_pos = getattr(m.get("vllm:spec_decode_num_accepted_tokens_per_pos"), "values", None) or []
+    return drafts, [int(v) for v in per_pos]
+
+
+def online_run(engine_kwargs: dict, prompts: list[list[int]], max_tokens: int,
+               speculative_config: dict | None) -> dict[str, Any]:
+    """Greedy generation in vLLM (optionally speculative); tokens/s and vLLM's spec counters."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**engine_kwargs, speculative_config=speculative_config, disable_log_stats=False)
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, skip_special_tokens=False)
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        result: dict[str, Any] = {"seconds": dt, "output_tokens": sum(map(len, tokens)),
+                                  "tokens_per_s": sum(map(len, tokens)) / dt, "outputs": tokens}
+        if speculative_config is not None:
+            drafts, per_pos = _spec_counters(llm)
+            result |= pooled(drafts, per_pos)
+        return result
+    finally:
+        del llm
+        gc.collect()
+
+
+def held_out_prompts(run_info: dict, limit: int) -> list[list[int]]:
+    """Prompt token ids of held-out store samples (the tokens before the first loss token)."""
+    from eagle_ray.store.reader import HiddenStateStore
+
+    store = HiddenStateStore(run_info["store"])
+    prompts = []
+    for sid in run_info["val_ids"][:limit]:
+        raw = store.raw(sid)
+        mask = raw["loss_mask"].bool()
+        first = int(mask.float().argmax()) if bool(mask.any()) else len(mask)
+        prompts.append(raw["input_ids"][:first].long().tolist())
+    return prompts
+
+
+def prompts_from_ingest(prompts_dir: str | Path, tokenizer, limit: int,
+                        exclude_ids: set[str] | None = None) -> list[list[int]]:
+    import pyarrow.parquet as pq
+
+    p = Path(prompts_dir)
+    table = pq.read_table(p / "prompts.parquet" if p.is_dir() else p, columns=["sample_id", "messages"])
+    out = []
+    for sid, m in zip(table.column("sample_id").to_pylist(), table.column("messages").to_pylist()):
+        if exclude_ids and sid in exclude_ids:
+            continue
+        text = tokenizer.apply_chat_template(json.loads(m), tokenize=False, add_generation_prompt=True)
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(out) >= limit:
+            break
+    return out

@@ -1,0 +1,86 @@
+"""Export a trained drafter as a directory vLLM loads with the "eagle3" speculative method.
+
+Layout: the original EAGLE-3 / SpecForge checkpoint layout that vLLM 0.32's
+`Eagle3LlamaForCausalLM` reads directly (`architectures: ["LlamaForCausalLMEagle3"]`):
+
+    DRAFTER/config.json        Llama config of the one drafter layer + draft_vocab_size,
+                               target_hidden_size, eagle_config.eagle_aux_hidden_state_layer_ids
+                               (always explicit: never left to the engine's default), norm eps
+                               and rope, and an "eagle_ray" block with the store identity the
+                               drafter was trained on (target/tokenizer fingerprints, layers,
+                               conventions) for `eagle-ray check`
+    DRAFTER/model.safetensors  fc, midlayer.*, norm, lm_head, d2t (offsets), t2d
+
+We chose it over the speculators config layout because vLLM reads it without a conversion
+step on both our pinned builds, and it carries d2t/t2d as tensors next to the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from eagle_ray.provenance import atomic_write_json, provenance
+
+IDENTITY_KEYS = ("target_fingerprint", "tokenizer_fingerprint", "hidden_size", "num_layers",
+                 "vocab_size", "aux_layer_ids", "capture_convention", "final_convention")
+
+
+def build_drafter(run_info: dict, state: dict | None = None):
+    """An Eagle3Drafter for a run (weights from `state` if given, else freshly initialised)."""
+    import torch
+
+    from eagle_ray.model.drafter import DrafterArch, Eagle3Drafter
+
+    arch = DrafterArch(**run_info["arch"])
+    model = Eagle3Drafter(arch, d2t=torch.tensor(run_info["d2t"]))
+    if state is not None:
+        model.load_state_dict(state, strict=True)
+    return model
+
+
+def export_drafter(run_dir: str | Path, out_dir: str | Path, *, untrained: bool = False,
+                   seed: int = 0) -> Path:
+    """Write DRAFTER_DIR from the latest checkpoint of run_dir (or an untrained drafter of
+    the same shape and vocabulary, the baseline `evaluate` compares against)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from eagle_ray.model.drafter import state_dict_for_export, vllm_config
+    from eagle_ray.train.loop import latest_checkpoint
+
+    run = Path(run_dir)
+    info = json.loads((run / "run.json").read_text())
+    if untrained:
+        torch.manual_seed(seed)
+        model = build_drafter(info)
+    else:
+        ckpt = latest_checkpoint(run)
+        if ckpt is None:
+            raise FileNotFoundError(f"{run} has no checkpoint; run `eagle-ray train` first")
+        model = build_drafter(info, load_file(str(ckpt / "model.safetensors")))
+    manifest = info["store_manifest"]
+    target_cfg = json.loads((Path(info["target_dir"]) / "config.json").read_text())
+    target_cfg = target_cfg.get("text_config", target_cfg)
+    cfg = vllm_config(model.arch, target_cfg, manifest["aux_layer_ids"])
+    cfg["eagle_ray"] = {"store": {k: manifest[k] for k in IDENTITY_KEYS},
+                        "trained": not untrained, "run_dir": str(run.resolve()),
+                        "provenance": provenance()}
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state_dict_for_export(model), str(tmp / "model.safetensors"))
+    atomic_write_json(tmp / "config.json", cfg)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def read_drafter_config(drafter_dir: str | Path) -> dict[str, Any]:
+    path = Path(drafter_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{drafter_dir} is not a drafter directory (no config.json)")
+    return json.loads(path.read_text())
