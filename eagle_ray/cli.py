@@ -146,6 +146,18 @@ def cmd_evaluate(args) -> int:
     return 0 if r["outputs_identical"] else 1
 
 
+def cmd_check(args) -> int:
+    from eagle_ray.evaluate.check import run_check
+
+    r = run_check(_recipe(args), args.drafter, args.store, args.target, runtime=not args.static_only)
+    for k, v in r.details.items():
+        print(f"{k}: {v}")
+    for p in r.problems:
+        print(f"FAIL {p}")
+    print("OK: serving feeds the drafter the features it was trained on" if r.ok else "CHECK FAILED")
+    return 0 if r.ok else 1
+
+
 def cmd_store_verify(args) -> int:
     from eagle_ray.store.reader import verify_store
 
@@ -225,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, help="draft tokens per step (default drafter.num_speculative_tokens)")
     p.add_argument("--limit", type=int, default=64, help="held-out prompts to run online")
     p.set_defaults(fn=cmd_evaluate)
+
+    p = sub.add_parser("check", help="verify serving feeds the drafter the features it was trained on")
+    _add_recipe_args(p)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--store", required=True)
+    p.add_argument("--target", help="target model directory (default: the recipe's target)")
+    p.add_argument("--static-only", action="store_true", help="config checks only (no vLLM)")
+    p.set_defaults(fn=cmd_check)
 
     p = sub.add_parser("store", help="hidden-state store tools")
     store_sub = p.add_subparsers(dest="store_command", required=True)

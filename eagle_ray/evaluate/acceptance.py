@@ -90,6 +90,26 @@ def online_run(engine_kwargs: dict, prompts: list[list[int]], max_tokens: int,
         gc.collect()
 
 
+def online_run_isolated(engine_kwargs: dict, prompts: list[list[int]], max_tokens: int,
+                        speculative_config: dict | None) -> dict[str, Any]:
+    """`online_run` in a child process. Engines must not share a process here: vLLM's n-gram
+    proposer imports numba/llvmlite, after which vLLM 0.32's CPU kernel-override scan fails
+    for every later engine in that process ('_lib_fn_wrapper' object has no attribute 'get')."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="eagle_ray_online_") as d:
+        req, res = Path(d) / "request.json", Path(d) / "result.json"
+        req.write_text(json.dumps({"engine_kwargs": engine_kwargs, "prompts": prompts,
+                                   "max_tokens": max_tokens, "speculative_config": speculative_config}))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        subprocess.run([sys.executable, "-m", "eagle_ray.evaluate.acceptance", str(req), str(res)],
+                       check=True, env=env, timeout=3600)
+        return json.loads(res.read_text())
+
+
 def held_out_prompts(run_info: dict, limit: int) -> list[list[int]]:
     """Prompt token ids of held-out store samples (the tokens before the first loss token)."""
     from eagle_ray.store.reader import HiddenStateStore
@@ -119,3 +139,11 @@ def prompts_from_ingest(prompts_dir: str | Path, tokenizer, limit: int,
         if len(out) >= limit:
             break
     return out
+
+
+if __name__ == "__main__":  # child process of online_run_isolated
+    import sys
+
+    a = json.loads(Path(sys.argv[1]).read_text())
+    out = online_run(a["engine_kwargs"], a["prompts"], a["max_tokens"], a["speculative_config"])
+    Path(sys.argv[2]).write_text(json.dumps(out))

@@ -25,7 +25,8 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
     from transformers import AutoTokenizer
 
     from eagle_ray.engine import engine_kwargs
-    from eagle_ray.evaluate.acceptance import offline_acceptance, online_run, prompts_from_ingest
+    from eagle_ray.evaluate.acceptance import (offline_acceptance, online_run_isolated,
+                                               prompts_from_ingest)
     from eagle_ray.export.drafter import export_drafter, read_drafter_config
 
     out = Path(out_dir)
@@ -61,7 +62,7 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
                        "prompt_lookup_min": 2}}
     for name, spec in specs.items():
         logger.info("evaluate: online run %s (%d prompts)", name, len(held_out))
-        runs[name] = online_run(ekw, held_out, max_tokens, spec)
+        runs[name] = online_run_isolated(ekw, held_out, max_tokens, spec)
     base = runs["baseline"]["outputs"]
     identical = {name: r["outputs"] == base for name, r in runs.items() if name != "baseline"}
     for r in runs.values():
@@ -109,23 +110,10 @@ def _markdown(r: dict) -> str:
 
 
 def _plot(r: dict, path: Path) -> None:
-    import matplotlib
+    """Render in a child process: importing matplotlib here breaks every later vLLM engine
+    in this process (vLLM 0.32's CPU kernel-override scan trips over one of its objects)."""
+    import subprocess
+    import sys
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    pos = list(range(r["k"]))
-    for name, label in (("offline", "offline (simulated)"), ("online", "online EAGLE-3"),
-                        ("untrained", "untrained drafter"), ("ngram", "n-gram")):
-        ax.plot(pos, r[name]["per_position_acceptance"], marker="o",
-                label=f"{label} (AL {r[name]['mean_acceptance_length']:.2f})")
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("acceptance rate (pooled over drafts)")
-    ax.set_ylim(0, 1.05)
-    ax.set_xticks(pos)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    subprocess.run([sys.executable, "-m", "eagle_ray.evaluate.plot", str(path.parent / "report.json"),
+                    str(path)], check=True, timeout=120)

@@ -1,0 +1,106 @@
+"""Export -> vLLM loads it; evaluate (offline vs online acceptance, baselines); check passes on
+a good export and fails, naming the cause, on each classic train/serve mismatch."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from eagle_ray.config import load_recipe
+from eagle_ray.data.ingest import SourceSpec, ingest
+from eagle_ray.tiny import corpus
+
+pytestmark = pytest.mark.integration
+
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+BASE = ["generate.mode=keep_logged", "extract.backend=hf", "extract.num_cpus_per_replica=1",
+        "data.max_seq_len=256", "train.cpus_per_worker=1", "train.log_interval=50"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, ray_cluster, tiny_target_dir):
+    from eagle_ray.export.drafter import export_drafter
+    from eagle_ray.extract.run import run_extract
+    from eagle_ray.generate.run import run_generate
+    from eagle_ray.train.run import run_train
+
+    d = tmp_path_factory.mktemp("export")
+    lines = [json.dumps({"messages": c}) for c in corpus.conversations(360, seed=55)]
+    (d / "in.jsonl").write_text("\n".join(lines) + "\n")
+    ingest([SourceSpec.parse(str(d / "in.jsonl"))], d / "prompts")
+    r = load_recipe("tiny_cpu", BASE + ["train.max_steps=150", "train.eval_interval=150"])
+    run_generate(r, d / "prompts", d / "conv")
+    run_extract(r, d / "conv", d / "store")
+    run_train(r, d / "store", d / "run")
+    export_drafter(d / "run", d / "drafter")
+    return d, r
+
+
+def test_evaluate_trained_beats_untrained_and_ngram(trained):
+    from eagle_ray.evaluate.run import run_evaluate
+
+    d, r = trained
+    rep = run_evaluate(r, d / "drafter", d / "prompts", d / "eval", k=3, limit=32)
+    al = {k: rep[k]["mean_acceptance_length"] for k in ("offline", "online", "untrained", "ngram")}
+    print("mean acceptance length:", {k: round(v, 3) for k, v in al.items()})
+    assert rep["outputs_identical"]
+    assert al["online"] > al["untrained"] + 1.0 and al["online"] > al["ngram"] + 0.5
+    assert abs(al["offline"] - al["online"]) < 0.5  # the stated tolerance
+    assert len(rep["online"]["per_position_acceptance"]) == 3
+    saved = json.loads((d / "eval" / "report.json").read_text())
+    for key in ("offline", "online", "untrained", "ngram"):
+        assert "mean_acceptance_length" in saved[key]
+    assert (d / "eval" / "report.md").exists() and (d / "eval" / "acceptance.png").stat().st_size > 1000
+
+
+def _edit_config(src, dst, fn):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    fn(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_check_passes_on_good_export(trained):
+    from eagle_ray.evaluate.check import run_check
+
+    d, r = trained
+    res = run_check(r, d / "drafter", d / "store")
+    assert res.ok, res.problems
+    assert res.details["fed_shape"][1] == 3 * 128
+    assert res.details["max_abs_diff"] < res.details["tolerance"]
+
+
+@pytest.mark.parametrize("case,edit,needle", [
+    ("wrong_ids", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 4, 5]),
+     "aux layer ids mismatch: drafter config says [1, 4, 5]"),
+    ("no_ids", lambda c: c.pop("eagle_config"), "no eagle_aux_hidden_state_layer_ids"),
+    ("other_target", lambda c: c["eagle_ray"]["store"].update(target_fingerprint="0" * 64),
+     "trained on another target's features"),
+])
+def test_check_fails_naming_the_cause(trained, tmp_path, case, edit, needle):
+    from eagle_ray.evaluate.check import run_check
+
+    d, r = trained
+    bad = _edit_config(d / "drafter", tmp_path / case, edit)
+    res = run_check(r, bad, d / "store")
+    assert not res.ok and any(needle in p for p in res.problems), res.problems
+
+
+def test_check_catches_features_shifted_by_one_layer(trained, tmp_path):
+    """A store whose manifest says layers (2, 4, 5) but holds (3, 5, 6) (an off-by-one
+    capture): the configs agree, only the runtime comparison can see it."""
+    from eagle_ray.evaluate.check import run_check
+    from eagle_ray.extract.run import run_extract
+
+    d, r = trained
+    shifted = tmp_path / "shifted"
+    run_extract(load_recipe("tiny_cpu", BASE + ["target.aux_layer_ids=3,5,6"]), d / "conv", shifted,
+                limit=4)
+    m = json.loads((shifted / "manifest.json").read_text())
+    m["aux_layer_ids"] = [2, 4, 5]
+    (shifted / "manifest.json").write_text(json.dumps(m))
+    res = run_check(r, d / "drafter", shifted)
+    assert not res.ok, res.details
+    assert any("other features than it was trained on" in p for p in res.problems), res.problems
