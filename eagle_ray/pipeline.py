@@ -2,7 +2,8 @@
 
 Stages so far: target (build the tiny target on first use) -> ingest -> stats -> plan ->
 generate (Ray Data -> vLLM replicas) -> extract (Ray Data -> extractor actors -> store) ->
-train (Ray Train DDP).
+train (Ray Train DDP) -> export (vLLM drafter dir) -> check (train/serve features) -> evaluate
+(offline + online acceptance vs untrained and n-gram).
 Each stage writes under OUT/<stage>/ and can be re-run on its own with the CLI.
 """
 
@@ -84,6 +85,24 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
           f"{train.get('val/acc_step0', float('nan')):.3f}, step-1 "
           f"{train.get('val/acc_step1', float('nan')):.3f} -> {out / 'train'}")
 
+    from eagle_ray.evaluate.check import run_check
+    from eagle_ray.evaluate.run import run_evaluate
+    from eagle_ray.export.drafter import export_drafter
+
+    t0 = time.time()
+    drafter = export_drafter(out / "train", out / "drafter")
+    chk = run_check(recipe, drafter, out / "store")
+    if not chk.ok:
+        raise ValueError("check failed: " + "; ".join(chk.problems))
+    print(f"export + check: {drafter} loads in vLLM and receives the trained features "
+          f"(max |diff| {chk.details['max_abs_diff']:.3g} over {chk.details['tokens_compared']} tokens)")
+    ev = run_evaluate(recipe, drafter, out / "ingest", out / "evaluate")
+    timings["export_check_evaluate"] = time.time() - t0
+    print(f"evaluate: mean acceptance length offline {ev['offline']['mean_acceptance_length']:.2f}, "
+          f"online {ev['online']['mean_acceptance_length']:.2f}, untrained "
+          f"{ev['untrained']['mean_acceptance_length']:.2f}, n-gram {ev['ngram']['mean_acceptance_length']:.2f}; "
+          f"outputs identical {ev['outputs_identical']} -> {out / 'evaluate' / 'report.md'}")
+
     summary = {"recipe": recipe.to_dict(), "target_dir": str(target_dir),
                "ingest": {k: getattr(res, k) for k in
                           ("lines_read", "accepted", "duplicates", "rejected", "sampled_out")},
@@ -91,7 +110,10 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
                "generate": {"generated": gen.generated, "rejected": gen.rejected},
                "generate_stats": gen_stats,
                "extract": {"extracted": ext.extracted, "tokens": ext.tokens},
-               "store_verify": check, "train": train, "timings_s": timings}
+               "store_verify": check, "train": train, "check": chk.details,
+               "evaluate": {k: ev[k] for k in ("offline", "online", "untrained", "ngram",
+                                               "outputs_identical")},
+               "timings_s": timings}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     print(f"summary: {out / 'summary.json'}")
     return summary
