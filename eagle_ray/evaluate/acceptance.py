@@ -110,20 +110,6 @@ def online_run_isolated(engine_kwargs: dict, prompts: list[list[int]], max_token
         return json.loads(res.read_text())
 
 
-def held_out_prompts(run_info: dict, limit: int) -> list[list[int]]:
-    """Prompt token ids of held-out store samples (the tokens before the first loss token)."""
-    from eagle_ray.store.reader import HiddenStateStore
-
-    store = HiddenStateStore(run_info["store"])
-    prompts = []
-    for sid in run_info["val_ids"][:limit]:
-        raw = store.raw(sid)
-        mask = raw["loss_mask"].bool()
-        first = int(mask.float().argmax()) if bool(mask.any()) else len(mask)
-        prompts.append(raw["input_ids"][:first].long().tolist())
-    return prompts
-
-
 def prompts_from_ingest(prompts_dir: str | Path, tokenizer, limit: int,
                         exclude_ids: set[str] | None = None) -> list[list[int]]:
     import pyarrow.parquet as pq

@@ -15,6 +15,7 @@ simply the highest step-* directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -193,7 +194,7 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
             for k, batch in enumerate(micro):
                 batch = {n: v.to(device, non_blocking=True) for n, v in batch.items()}
                 sync = k == len(micro) - 1  # all-reduce gradients once per optimizer step
-                ctx_mgr = ddp.no_sync() if not sync else _null()
+                ctx_mgr = ddp.no_sync() if not sync else contextlib.nullcontext()
                 with ctx_mgr:
                     if autocast:
                         with autocast:
@@ -239,14 +240,6 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
             epoch, step_in_epoch = epoch + 1, 0
     if writer is not None:
         writer.close()
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def _checkpoint(run_dir, step, epoch, step_in_epoch, model, opt, sched, rank, world, dist):
