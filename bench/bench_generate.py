@@ -71,7 +71,7 @@ def main() -> int:
 
     # --- the Ray Data pipeline, one replica
     t3 = time.perf_counter()
-    ray.init(num_cpus=3, include_dashboard=False, object_store_memory=512 << 20)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, object_store_memory=512 << 20)
     arrivals, tokens, same = [], [], 0
     for batch in generation_dataset(recipe, table, Path(model)).iter_batches(
             batch_format="pyarrow", batch_size=None):

@@ -37,7 +37,7 @@ def main() -> int:
     d = Path(tempfile.mkdtemp(prefix="bench_train_"))
     lines = [json.dumps({"messages": c}) for c in corpus.conversations(args.samples, seed=44, max_turns=3)]
     (d / "in.jsonl").write_text("\n".join(lines) + "\n")
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=512 << 20)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=512 << 20)
     ingest([SourceSpec.parse(str(d / "in.jsonl"))], d / "prompts")
     r = load_recipe("tiny_cpu", ["generate.mode=keep_logged", "extract.backend=hf"])
     run_generate(r, d / "prompts", d / "conv")

@@ -14,7 +14,30 @@ def ray_cluster():
     the read tasks; no dashboard (faster start). Yields the GCS address for subprocess drivers."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=512 << 20,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=512 << 20,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
+
+
+def logged_store(d, n: int, seed: int, recipe):
+    """Corpus conversations -> ingest -> keep_logged conversations -> store under d (prompts/,
+    conv/, store/): a real store of the tiny target without spending time on generation."""
+    import json
+
+    from eagle_ray.data.ingest import SourceSpec, ingest
+    from eagle_ray.extract.run import run_extract
+    from eagle_ray.generate.run import run_generate
+    from eagle_ray.tiny import corpus
+
+    lines = [json.dumps({"messages": c}) for c in corpus.conversations(n, seed=seed)]
+    (d / "in.jsonl").write_text("\n".join(lines) + "\n")
+    ingest([SourceSpec.parse(str(d / "in.jsonl"))], d / "prompts")
+    run_generate(recipe, d / "prompts", d / "conv")
+    run_extract(recipe, d / "conv", d / "store")
+    return d / "store"
+
+
+@pytest.fixture(scope="session")
+def make_logged_store():
+    return logged_store

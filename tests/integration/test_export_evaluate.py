@@ -8,8 +8,6 @@ import shutil
 import pytest
 
 from eagle_ray.config import load_recipe
-from eagle_ray.data.ingest import SourceSpec, ingest
-from eagle_ray.tiny import corpus
 
 pytestmark = pytest.mark.integration
 
@@ -19,19 +17,13 @@ BASE = ["generate.mode=keep_logged", "extract.backend=hf", "extract.num_cpus_per
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, ray_cluster, tiny_target_dir):
+def trained(tmp_path_factory, ray_cluster, tiny_target_dir, make_logged_store):
     from eagle_ray.export.drafter import export_drafter
-    from eagle_ray.extract.run import run_extract
-    from eagle_ray.generate.run import run_generate
     from eagle_ray.train.run import run_train
 
     d = tmp_path_factory.mktemp("export")
-    lines = [json.dumps({"messages": c}) for c in corpus.conversations(360, seed=55)]
-    (d / "in.jsonl").write_text("\n".join(lines) + "\n")
-    ingest([SourceSpec.parse(str(d / "in.jsonl"))], d / "prompts")
     r = load_recipe("tiny_cpu", BASE + ["train.max_steps=150", "train.eval_interval=150"])
-    run_generate(r, d / "prompts", d / "conv")
-    run_extract(r, d / "conv", d / "store")
+    make_logged_store(d, 360, 55, r)
     run_train(r, d / "store", d / "run")
     export_drafter(d / "run", d / "drafter")
     return d, r

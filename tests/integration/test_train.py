@@ -13,8 +13,6 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_ray.config import load_recipe
-from eagle_ray.data.ingest import SourceSpec, ingest
-from eagle_ray.tiny import corpus
 
 pytestmark = pytest.mark.integration
 
@@ -22,20 +20,11 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory, ray_cluster, tiny_target_dir):
+def store(tmp_path_factory, ray_cluster, tiny_target_dir, make_logged_store):
     """~400 conversations, extracted from the tiny target (logged responses, HF backend)."""
-    from eagle_ray.extract.run import run_extract
-    from eagle_ray.generate.run import run_generate
-
-    d = tmp_path_factory.mktemp("train")
-    lines = [json.dumps({"messages": c}) for c in corpus.conversations(400, seed=33)]
-    (d / "in.jsonl").write_text("\n".join(lines) + "\n")
-    ingest([SourceSpec.parse(str(d / "in.jsonl"))], d / "prompts")
     r = load_recipe("tiny_cpu", ["generate.mode=keep_logged", "extract.backend=hf",
                                  "extract.num_cpus_per_replica=1", "data.max_seq_len=256"])
-    run_generate(r, d / "prompts", d / "conv")
-    run_extract(r, d / "conv", d / "store")
-    return d / "store"
+    return make_logged_store(tmp_path_factory.mktemp("train"), 400, 33, r)
 
 
 def recipe(*extra):
