@@ -74,14 +74,19 @@ def test_store_matches_transformers_and_truncates(hf_store, conversations, tiny_
     assert sum(r["truncated"] for r in idx) >= 1 and all(r["num_tokens"] <= 96 for r in idx)
 
 
-def test_vllm_backend_equals_hf_backend(hf_store, conversations, tmp_path):
+@pytest.fixture(scope="module")
+def vllm_store(conversations, tmp_path_factory):
     from eagle_ray.extract.run import run_extract
 
-    out = tmp_path / "vllm_store"
+    out = tmp_path_factory.mktemp("vllm") / "store"
     res = run_extract(load_recipe("tiny_cpu", BASE + ["extract.backend=vllm", "storage.dtype=fp32"]),
                       conversations, out)
     assert res.extracted == N
-    a, b = HiddenStateStore(hf_store), HiddenStateStore(out)
+    return out
+
+
+def test_vllm_backend_equals_hf_backend(hf_store, vllm_store):
+    a, b = HiddenStateStore(hf_store), HiddenStateStore(vllm_store)
     assert sorted(a.sample_ids) == sorted(b.sample_ids)
     worst = 0.0
     for sid in a.sample_ids:
@@ -93,9 +98,12 @@ def test_vllm_backend_equals_hf_backend(hf_store, conversations, tmp_path):
     assert worst < 1e-3
 
 
-def test_sigkill_mid_run_then_resume_with_new_bounds(hf_store, conversations, ray_cluster, tmp_path):
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_sigkill_mid_run_then_resume_with_new_bounds(backend, request, conversations, ray_cluster,
+                                                     tmp_path):
+    reference = request.getfixturevalue(f"{backend}_store")  # the same data, one clean run
     out = tmp_path / "store"
-    sets = BASE + ["extract.backend=hf", "storage.dtype=fp32"]
+    sets = BASE + [f"extract.backend={backend}", "storage.dtype=fp32"]
     cmd = [sys.executable, "-m", "eagle_ray.cli", "extract", "--conversations", str(conversations),
            "--out", str(out)]
     env = {**os.environ, "RAY_ADDRESS": ray_cluster}
@@ -118,11 +126,16 @@ def test_sigkill_mid_run_then_resume_with_new_bounds(hf_store, conversations, ra
     rep = verify_store(out)
     assert not rep["problems"], rep
     idx = read_index(out)
-    assert sorted(idx.column("sample_id").to_pylist()) == sorted(HiddenStateStore(hf_store).sample_ids)
-    a, b = HiddenStateStore(hf_store), HiddenStateStore(out)
+    assert sorted(idx.column("sample_id").to_pylist()) == sorted(HiddenStateStore(reference).sample_ids)
+    a, b = HiddenStateStore(reference), HiddenStateStore(out)
     for sid in a.sample_ids:
         x, y = a.get(sid), b.get(sid)
-        assert all(torch.equal(x[k], y[k]) for k in x), sid
+        if backend == "hf":  # the HF forward on CPU is bit-identical across batch shapes here
+            assert all(torch.equal(x[k], y[k]) for k in x), sid
+        else:  # vLLM batches differ after a resume; fp32 kernels agree to rounding
+            assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+            torch.testing.assert_close(x["aux"], y["aux"], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(x["final"], y["final"], atol=1e-5, rtol=1e-5)
 
 
 def test_verify_catches_corruption_and_mismatch_is_refused(hf_store, conversations, tmp_path):
