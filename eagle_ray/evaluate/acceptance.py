@@ -112,10 +112,10 @@ def online_run_isolated(engine_kwargs: dict, prompts: list[list[int]], max_token
 
 def prompts_from_ingest(prompts_dir: str | Path, tokenizer, limit: int,
                         exclude_ids: set[str] | None = None) -> list[list[int]]:
-    import pyarrow.parquet as pq
+    from eagle_ray.tables import read_stage_table
 
-    p = Path(prompts_dir)
-    table = pq.read_table(p / "prompts.parquet" if p.is_dir() else p, columns=["sample_id", "messages"])
+    _, table = read_stage_table(prompts_dir, "prompts.parquet", ["sample_id", "messages"], "ingest",
+                                columns=["sample_id", "messages"])
     out = []
     for sid, m in zip(table.column("sample_id").to_pylist(), table.column("messages").to_pylist()):
         if exclude_ids and sid in exclude_ids:

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from eagle_ray.config import Recipe, resolve_target_path
 from eagle_ray.extract.stage import INPUT_COLUMNS, ExtractUDF
@@ -31,6 +30,7 @@ from eagle_ray.provenance import target_fingerprint, tokenizer_fingerprint
 from eagle_ray.store.format import StoreManifest
 from eagle_ray.store.reader import committed_ids
 from eagle_ray.store.writer import open_or_create
+from eagle_ray.tables import read_stage_table
 
 logger = logging.getLogger(__name__)
 
@@ -105,14 +105,8 @@ def run_extract(recipe: Recipe, conversations: str | Path, store_dir: str | Path
     from eagle_ray.plan.budget import check_budget
 
     t0 = time.time()
-    conv_path = Path(conversations)
-    conv_file = conv_path / "conversations.parquet" if conv_path.is_dir() else conv_path
-    if not conv_file.exists():
-        raise FileNotFoundError(f"{conv_file} does not exist; run `eagle-ray generate` first")
-    table = pq.read_table(conv_file)
-    missing = [c for c in INPUT_COLUMNS if c not in table.column_names]
-    if missing:
-        raise ValueError(f"{conv_file} lacks column(s) {', '.join(missing)}; is it a generate output?")
+    conv_file, table = read_stage_table(conversations, "conversations.parquet", INPUT_COLUMNS,
+                                        "generate")
     if limit is not None:
         table = table.slice(0, limit)
     gen_manifest = conv_file.parent / "manifest.json"

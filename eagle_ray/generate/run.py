@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from eagle_ray.config import Recipe, resolve_target_path
 from eagle_ray.generate.stage import CONVERSATIONS_SCHEMA, INPUT_COLUMNS, GenerateUDF, LoggedUDF
+from eagle_ray.tables import read_stage_table
 from eagle_ray.provenance import (atomic_write_bytes, atomic_write_json, atomic_write_parquet,
                                   provenance, target_fingerprint)
 
@@ -51,14 +52,7 @@ class GenerateResult:
 
 
 def _read_prompts(prompts: str | Path) -> pa.Table:
-    p = Path(prompts)
-    path = p / "prompts.parquet" if p.is_dir() else p
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; run `eagle-ray ingest` first")
-    table = pq.read_table(path)
-    missing = [c for c in INPUT_COLUMNS if c not in table.column_names]
-    if missing:
-        raise ValueError(f"{path} lacks column(s) {', '.join(missing)}; is it an ingest output?")
+    _, table = read_stage_table(prompts, "prompts.parquet", INPUT_COLUMNS, "ingest")
     return table.select(list(INPUT_COLUMNS))
 
 
