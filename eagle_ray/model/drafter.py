@@ -65,10 +65,14 @@ continuation). Never a later column. Mask for T=4, step=2 ([T, T*(step+1)], x = 
 Padding (right padding; ``attention_mask`` False at pads): step-0 keys of padded columns
 are also masked (a query always keeps its own diagonal key so no row is empty).
 
-Two implementations compute this: ``attn_impl="eager"`` (default; O(T^2 + T*j) memory:
-causal scores against the step-0 block plus one dot product per diagonal key, softmaxed
-jointly, as SpecForge does) and ``attn_impl="dense"`` (SDPA over all blocks with the explicit
-``ttt_attention_mask``; the reference, O(T^2 * j)). Tests check they agree.
+Three implementations compute this, and tests check they agree:
+``attn_impl="chunked"`` (default; memory LINEAR in T): query rows in chunks of
+``ATTN_CHUNK``, each chunk's scores against the step-0 keys it may see plus one dot product
+per diagonal key, softmaxed jointly, run under activation checkpointing so no [T, T] block
+is ever kept for backward; ``attn_impl="eager"`` (the same math on all rows at once, as
+SpecForge's eager path: [B,h,T,T] fp32 scores and probs kept for backward at every TTT step,
+O(T^2 * j) memory over an unroll) and ``attn_impl="dense"`` (SDPA over all blocks with the
+explicit ``ttt_attention_mask``; the reference). ``bench/bench_ttt_memory.py`` measures them.
 
 Teacher / loss
 --------------
@@ -76,9 +80,13 @@ Teacher logits = ``final @ target_lm_head.T`` (fp32). The teacher distribution i
 RESTRICTED to the draft vocab (columns ``arange(N) + d2t``) and RENORMALIZED there (softmax
 over those N logits == full softmax restricted and divided by its mass on the draft vocab).
 Per step: soft cross-entropy ``-sum_i p_teacher[i] * log_softmax(draft_logits)[i]`` averaged
-over the step's valid columns; total ``sum_j decay**j * loss_j``. Accuracy compares the
-draft argmax (mapped to a target id) with the argmax of the teacher over the FULL target
-vocab, so a target argmax outside the draft vocab counts as a miss.
+over the step's TRAINED columns: valid columns whose teacher argmax over the FULL target vocab
+lies inside the draft vocab (``t2d``). A position whose target argmax is outside the draft
+vocab can never be accepted by vLLM (the drafter cannot propose that token), so it carries
+no signal worth fitting; SpecForge and the EAGLE reference mask it the same way. Total
+``sum_j decay**j * loss_j``. Accuracy stays over all VALID columns and compares the draft
+argmax (mapped to a target id) with the full-vocab teacher argmax, so an out-of-vocab target
+counts as a miss: it is the number acceptance is made of, not a flattering subset.
 
 Multi-GPU note: the frozen target matrices are buffers; wrap with DDP using
 ``broadcast_buffers=False`` (they are identical on every rank) to avoid re-broadcasting them.
@@ -107,6 +115,10 @@ __all__ = [
     "ttt_attention_mask",
     "vllm_config",
 ]
+
+# Query rows per chunk in the "chunked" TTT attention: peak transient scores are
+# B x heads x ATTN_CHUNK x T fp32 (64 heads, T=8K: 1 GiB), never kept for backward.
+ATTN_CHUNK = 512
 
 # vLLM's registry maps this (and "Eagle3LlamaForCausalLM") to llama_eagle3.Eagle3LlamaForCausalLM;
 # it is also the name SpecForge writes, and EAGLEConfig keeps names ending in "Eagle3".
@@ -267,12 +279,12 @@ class Eagle3Attention(nn.Module):
         return x if rep == 1 else x.repeat_interleave(rep, dim=1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: list[tuple[torch.Tensor, torch.Tensor]], key_ok: torch.Tensor,
-                attn_impl: str = "eager") -> torch.Tensor:
+                cache: list[tuple[torch.Tensor, torch.Tensor]], am: torch.Tensor,
+                attn_impl: str = "chunked") -> torch.Tensor:
         """x [B,T,2H]; cos/sin [T,D] for this step's positions; ``cache`` holds the (k, v) of
-        earlier steps and gets this step's appended; ``key_ok`` bool [B,1,T,T] is the padding
-        part of the step-0 block (key column valid, or the query's own column). Causality
-        comes from ``ttt_attention_mask`` in both implementations. Returns [B,T,H]."""
+        earlier steps and gets this step's appended; ``am`` bool [B,T] is the right-padding
+        mask (a step-0 key is visible iff its column is real, or it is the query's own column).
+        Causality comes from ``ttt_attention_mask`` in every implementation. Returns [B,T,H]."""
         B, T, _ = x.shape
         D = self.head_dim
         q = self.q_proj(x).view(B, T, self.num_heads, D).transpose(1, 2)
@@ -281,37 +293,79 @@ class Eagle3Attention(nn.Module):
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         cache.append((k, v))
         step = len(cache) - 1
-        if attn_impl == "eager":
-            out = self._eager(q, cache, key_ok)
+        if attn_impl == "chunked":
+            out = self._chunked(q, cache, am)
+        elif attn_impl == "eager":
+            out = self._eager(q, cache, am)
         elif attn_impl == "dense":
-            out = self._dense(q, cache, key_ok, step)
+            out = self._dense(q, cache, am, step)
         else:
-            raise ValueError(f"unknown attn_impl {attn_impl!r}")
+            raise ValueError(f"unknown attn_impl {attn_impl!r}; choose chunked, eager or dense")
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * D))
 
-    def _eager(self, q: torch.Tensor, cache, key_ok: torch.Tensor) -> torch.Tensor:
-        # Step-0 block: full scores under the causal mask. Blocks 1..j are diagonal (a column
-        # sees only its own later-step keys), so each is one dot product per column.
-        T = q.shape[2]
-        mask0 = ttt_attention_mask(T, 0, device=q.device) & key_ok                # [B,1,T,T]
-        k0, v0 = (self._repeat_kv(t) for t in cache[0])
-        scores = _upcast(torch.matmul(q, k0.transpose(-1, -2))) * self.scaling   # [B,h,T,T]
-        scores = scores.masked_fill(~mask0, float("-inf"))
-        diag = [(_upcast((q * self._repeat_kv(ki)).sum(-1)) * self.scaling).unsqueeze(-1)
-                for ki, _ in cache[1:]]                                          # [B,h,T,1] each
-        probs = torch.softmax(torch.cat([scores] + diag, dim=-1), dim=-1).to(q.dtype)
-        out = torch.matmul(probs[..., :T], v0)
-        for i, (_, vi) in enumerate(cache[1:]):
-            out = out + probs[..., T + i:T + i + 1] * self._repeat_kv(vi)
+    @staticmethod
+    def _key_ok(am: torch.Tensor, rows: slice, cols: int) -> torch.Tensor:
+        """bool [B,1,len(rows),cols]: step-0 mask of query rows ``rows`` against key columns
+        0..cols-1 (causal, and padded key columns hidden except a query's own)."""
+        r = torch.arange(rows.start, rows.stop, device=am.device)[:, None]
+        c = torch.arange(cols, device=am.device)[None, :]
+        return ((c <= r) & (am[:, None, :cols] | (c == r)))[:, None]
+
+    def _attend_rows(self, q_c: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
+                     am: torch.Tensor, r0: int, *diag_kv: torch.Tensor) -> torch.Tensor:
+        """Attention of query rows r0..r0+C-1 (q_c [B,h,C,D]): scores against the step-0 keys
+        of columns 0..r0+C-1 (later columns are masked anyway, so never computed) plus one
+        score per diagonal key (its own column at steps 1..j), softmaxed jointly.
+        ``diag_kv`` = (k_1, v_1, k_2, v_2, ...) already cut to these rows. Returns [B,h,C,D]."""
+        C = q_c.shape[2]
+        cols = r0 + C
+        scores = _upcast(torch.matmul(q_c, k0[:, :, :cols].transpose(-1, -2))) * self.scaling
+        scores = scores.masked_fill(~self._key_ok(am, slice(r0, cols), cols), float("-inf"))
+        ks, vs = diag_kv[0::2], diag_kv[1::2]
+        diag = [(_upcast((q_c * ki).sum(-1)) * self.scaling).unsqueeze(-1) for ki in ks]
+        probs = torch.softmax(torch.cat([scores] + diag, dim=-1), dim=-1).to(q_c.dtype)
+        out = torch.matmul(probs[..., :cols], v0[:, :, :cols])
+        for i, vi in enumerate(vs):
+            out = out + probs[..., cols + i:cols + i + 1] * vi
         return out
 
-    def _dense(self, q: torch.Tensor, cache, key_ok: torch.Tensor, step: int) -> torch.Tensor:
+    def _chunked(self, q: torch.Tensor, cache, am: torch.Tensor) -> torch.Tensor:
+        # Linear memory in T: query rows are processed ATTN_CHUNK at a time, and under autograd
+        # each chunk runs in activation checkpointing, so the [B,h,C,<=T] scores/probs exist
+        # for one chunk at a time and are recomputed in backward instead of being kept (the
+        # eager version keeps [B,h,T,T] fp32 scores AND probs for every TTT step: tens of GB
+        # at 64 heads and T=8K). What stays for backward is q/k/v and the [B,h,T,D] output.
+        from torch.utils.checkpoint import checkpoint
+
+        T = q.shape[2]
+        k0, v0 = (self._repeat_kv(t) for t in cache[0])
+        diag = [self._repeat_kv(t) for kv in cache[1:] for t in kv]     # k_1, v_1, k_2, ...
+        outs = []
+        for r0 in range(0, T, ATTN_CHUNK):
+            rows = slice(r0, min(T, r0 + ATTN_CHUNK))
+            args = (q[:, :, rows], k0, v0, am, r0, *[d[:, :, rows] for d in diag])
+            if torch.is_grad_enabled() and q.requires_grad:
+                outs.append(checkpoint(self._attend_rows, *args, use_reentrant=False))
+            else:
+                outs.append(self._attend_rows(*args))
+        return torch.cat(outs, dim=2)
+
+    def _eager(self, q: torch.Tensor, cache, am: torch.Tensor) -> torch.Tensor:
+        # Step-0 block: full [T,T] scores under the causal mask. Blocks 1..j are diagonal (a
+        # column sees only its own later-step keys), so each is one dot product per column.
+        # Quadratic memory, kept for backward: the reference the chunked version is tested on.
+        T = q.shape[2]
+        k0, v0 = (self._repeat_kv(t) for t in cache[0])
+        diag = [self._repeat_kv(t) for kv in cache[1:] for t in kv]
+        return self._attend_rows(q, k0, v0, am, 0, *diag)
+
+    def _dense(self, q: torch.Tensor, cache, am: torch.Tensor, step: int) -> torch.Tensor:
         B, _, T, _ = q.shape
         keys = self._repeat_kv(torch.cat([kk for kk, _ in cache], dim=2))
         vals = self._repeat_kv(torch.cat([vv for _, vv in cache], dim=2))
         base = ttt_attention_mask(T, step, device=q.device)                    # [T, T(step+1)]
-        pad = torch.cat([key_ok, torch.ones(B, 1, T, T * step, dtype=torch.bool, device=q.device)],
-                        dim=-1)
+        pad = torch.cat([self._key_ok(am, slice(0, T), T),
+                         torch.ones(B, 1, T, T * step, dtype=torch.bool, device=q.device)], dim=-1)
         mask = base & pad
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=self.scaling)
 
@@ -329,12 +383,12 @@ class Eagle3DecoderLayer(nn.Module):
         self.mlp = Eagle3MLP(arch)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, cache, key_ok: torch.Tensor, attn_impl: str = "eager"
+                sin: torch.Tensor, cache, am: torch.Tensor, attn_impl: str = "chunked"
                 ) -> torch.Tensor:
         """Returns the PRE-final-norm output (vLLM's ``hidden_prenorm``)."""
         residual = hidden
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        residual = self.self_attn(x, cos, sin, cache, key_ok, attn_impl) + residual
+        residual = self.self_attn(x, cos, sin, cache, am, attn_impl) + residual
         return self.mlp(self.post_attention_layernorm(residual)) + residual
 
 
@@ -347,7 +401,8 @@ class TTTOutputs:
 
     logits: list[torch.Tensor] = field(default_factory=list)      # [B, T, N] draft logits
     token_loss: list[torch.Tensor] = field(default_factory=list)  # soft CE, 0 where invalid
-    valid: list[torch.Tensor] = field(default_factory=list)       # bool
+    valid: list[torch.Tensor] = field(default_factory=list)       # bool: position scored
+    trained: list[torch.Tensor] = field(default_factory=list)     # bool: valid & target argmax in draft vocab
     correct: list[torch.Tensor] = field(default_factory=list)     # bool, False where invalid
 
 
@@ -355,7 +410,7 @@ class Eagle3Drafter(nn.Module):
     def __init__(self, arch: DrafterArch, *, embed_weight: torch.Tensor | None = None,
                  target_lm_head_weight: torch.Tensor | None = None,
                  d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None,
-                 loss_decay: float = 0.8, attn_impl: str = "eager") -> None:
+                 loss_decay: float = 0.8, attn_impl: str = "chunked") -> None:
         super().__init__()
         self.arch = arch
         self.loss_decay = float(loss_decay)
@@ -493,10 +548,9 @@ class Eagle3Drafter(nn.Module):
         hidden = self.combine_hidden_states(batch["aux"])                   # g_t [B,T,H]
         t_logits, t_argmax = self.teacher(batch)                            # at position p
         target_ok = loss_mask & am                                          # predicted-token mask
+        in_vocab = self.t2d[t_argmax]                                       # target argmax draftable
 
         idx = torch.arange(T, device=dev)
-        eye = idx[:, None] == idx[None, :]
-        key_ok = (am[:, None, :] | eye[None])[:, None]                      # [B,1,T,T] padding
 
         tids = self.draft_ids
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -504,17 +558,19 @@ class Eagle3Drafter(nn.Module):
         for j in range(steps):
             embeds = self._shift(emb_all, 1 + j)                            # emb(x_{t+1+j})
             cos, sin = self.rope(idx + j)                                   # position t+j
-            h_pre = self.midlayer(embeds, hidden, cos, sin, cache, key_ok, impl)
+            h_pre = self.midlayer(embeds, hidden, cos, sin, cache, am, impl)
             logits = self.compute_logits(h_pre)                             # [B,T,N]
             valid = self._shift(target_ok, 2 + j, False)                    # x_{t+2+j} masked in
             teacher_p = torch.softmax(self._shift(t_logits, 1 + j), dim=-1)  # from f_{t+1+j}
             tok_loss = -(teacher_p * torch.log_softmax(_upcast(logits), dim=-1)).sum(-1)
-            tok_loss = torch.where(valid, tok_loss, torch.zeros_like(tok_loss))
+            trained = valid & self._shift(in_vocab, 1 + j, False)
+            tok_loss = torch.where(trained, tok_loss, torch.zeros_like(tok_loss))
             pred = tids[logits.detach().argmax(-1)]
             correct = (pred == self._shift(t_argmax, 1 + j)) & valid
             out.logits.append(logits)
             out.token_loss.append(tok_loss)
             out.valid.append(valid)
+            out.trained.append(trained)
             out.correct.append(correct)
             hidden = h_pre                                                  # pre-norm feedback
         return out
@@ -523,7 +579,8 @@ class Eagle3Drafter(nn.Module):
                 loss_decay: float | None = None, step_weights: Sequence[float] | None = None,
                 attn_impl: str | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Returns (loss, metrics). Metrics are detached 0-d tensors: ``loss``,
-        ``loss_step{j}``, ``acc_step{j}``, ``valid_step{j}`` (count), ``correct_step{j}`` (count)."""
+        ``loss_step{j}`` (mean over trained columns), ``acc_step{j}`` (over valid columns),
+        ``valid_step{j}``, ``trained_step{j}``, ``correct_step{j}`` (counts)."""
         o = self.ttt_outputs(batch, ttt_steps=ttt_steps, attn_impl=attn_impl)
         steps = len(o.logits)
         if step_weights is None:
@@ -535,13 +592,14 @@ class Eagle3Drafter(nn.Module):
         metrics: dict[str, torch.Tensor] = {}
         for j in range(steps):
             n = o.valid[j].sum()
-            denom = n.clamp(min=1).to(total.dtype)
-            loss_j = o.token_loss[j].sum() / denom
+            n_trained = o.trained[j].sum()
+            loss_j = o.token_loss[j].sum() / n_trained.clamp(min=1).to(total.dtype)
             total = total + step_weights[j] * loss_j
             correct = o.correct[j].sum()
             metrics[f"loss_step{j}"] = loss_j.detach()
-            metrics[f"acc_step{j}"] = (correct.to(total.dtype) / denom).detach()
+            metrics[f"acc_step{j}"] = (correct.to(total.dtype) / n.clamp(min=1).to(total.dtype)).detach()
             metrics[f"valid_step{j}"] = n.detach()
+            metrics[f"trained_step{j}"] = n_trained.detach()
             metrics[f"correct_step{j}"] = correct.detach()
         metrics["loss"] = total.detach()
         return total, metrics

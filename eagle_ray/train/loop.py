@@ -145,23 +145,23 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
         val = cfg["val_ids"]
         lengths = [store._cols["num_tokens"][store._row_of[s]] for s in val]
         batches = make_batches(lengths, t["tokens_per_batch"], seed=0)
-        sums = torch.zeros(3 * steps, dtype=torch.float64)
+        sums = torch.zeros(4 * steps, dtype=torch.float64)
         with torch.no_grad():
             for bi in range(rank, len(batches), world):
                 batch = {k: v.to(device) for k, v in collate(store, [val[i] for i in batches[bi]]).items()}
                 _, m = model(batch)
                 for j in range(steps):
-                    n = m[f"valid_step{j}"].double().cpu()
-                    sums[3 * j] += m[f"loss_step{j}"].double().cpu() * n
-                    sums[3 * j + 1] += m[f"correct_step{j}"].double().cpu()
-                    sums[3 * j + 2] += n
+                    n_trained = m[f"trained_step{j}"].double().cpu()
+                    sums[4 * j] += m[f"loss_step{j}"].double().cpu() * n_trained
+                    sums[4 * j + 1] += n_trained
+                    sums[4 * j + 2] += m[f"correct_step{j}"].double().cpu()
+                    sums[4 * j + 3] += m[f"valid_step{j}"].double().cpu()
         sums = all_reduce(sums).cpu()
         model.train()
         out = {}
         for j in range(steps):
-            n = max(1.0, sums[3 * j + 2].item())
-            out[f"val/loss_step{j}"] = sums[3 * j].item() / n
-            out[f"val/acc_step{j}"] = sums[3 * j + 1].item() / n
+            out[f"val/loss_step{j}"] = sums[4 * j].item() / max(1.0, sums[4 * j + 1].item())
+            out[f"val/acc_step{j}"] = sums[4 * j + 2].item() / max(1.0, sums[4 * j + 3].item())
         return out
 
     def log(m: dict[str, float]) -> None:

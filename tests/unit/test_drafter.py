@@ -161,8 +161,9 @@ def _future_leaks(model, batch, steps, atol=1e-5):
     return leaks
 
 
-@pytest.mark.parametrize("impl", ["eager", "dense"])
-def test_no_future_information_reaches_a_column(impl):
+@pytest.mark.parametrize("impl", ["chunked", "eager", "dense"])
+def test_no_future_information_reaches_a_column(impl, monkeypatch):
+    monkeypatch.setattr(drafter_mod, "ATTN_CHUNK", 3)  # several chunks over T=8
     torch.manual_seed(0)
     model = make_model(steps=3, attn_impl=impl)
     batch = make_batch(B=2, T=8)
@@ -180,29 +181,78 @@ def test_no_future_information_reaches_a_column(impl):
             assert not torch.allclose(model.ttt_outputs(pert).logits[j][:, t], out[j][:, t])
 
 
-@pytest.mark.parametrize("impl", ["eager", "dense"])
+@pytest.mark.parametrize("impl", ["chunked", "eager", "dense"])
 def test_leak_check_catches_a_broken_mask(monkeypatch, impl):
-    """The perturbation check is real: with a mask that lets a column see later columns,
-    it reports leaks (both implementations take causality from ttt_attention_mask)."""
+    """The perturbation check is real: with masks that let a column see later columns, it
+    reports leaks (dense takes causality from ttt_attention_mask, chunked/eager from the
+    step-0 ``_key_ok``)."""
     model = make_model(steps=2, attn_impl=impl)
     batch = make_batch(B=1, T=6)
+    monkeypatch.setattr(drafter_mod, "ATTN_CHUNK", 4)
     monkeypatch.setattr(drafter_mod, "ttt_attention_mask",
                         lambda T, step, device=None: torch.ones(T, T * (step + 1), dtype=torch.bool,
                                                                 device=device))
+    monkeypatch.setattr(drafter_mod.Eagle3Attention, "_key_ok", staticmethod(
+        lambda am, rows, cols: torch.ones(am.shape[0], 1, rows.stop - rows.start, cols,
+                                          dtype=torch.bool)))
     with torch.no_grad():
         leaks = _future_leaks(model, batch, steps=2)
     assert (0, 0) in leaks and (0, 1) in leaks
 
 
-def test_eager_and_dense_attention_agree():
+@pytest.mark.parametrize("chunk", [1, 3, 4, 64])
+def test_attention_implementations_agree_with_dense(monkeypatch, chunk):
+    """chunked (several chunk sizes, with padding) and eager equal the dense reference, in the
+    outputs and in every parameter gradient (chunked recomputes in backward)."""
+    monkeypatch.setattr(drafter_mod, "ATTN_CHUNK", chunk)
     model = make_model(steps=4, dtype=torch.float64)
     batch = make_batch(B=2, T=10, dtype=torch.float64)
     batch["attention_mask"][0, 7:] = False
-    with torch.no_grad():
-        a = model.ttt_outputs(batch, attn_impl="eager")
-        b = model.ttt_outputs(batch, attn_impl="dense")
-    for j in range(4):
-        torch.testing.assert_close(a.logits[j], b.logits[j], rtol=1e-10, atol=1e-10)
+    results = {}
+    for impl in ("dense", "eager", "chunked"):
+        model.zero_grad(set_to_none=True)
+        loss, _ = model(batch, attn_impl=impl)
+        loss.backward()
+        out = model.ttt_outputs(batch, attn_impl=impl)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results[impl] = (loss.detach(), [lg.detach() for lg in out.logits], grads)
+    ref_loss, ref_logits, ref_grads = results["dense"]
+    for impl in ("eager", "chunked"):
+        loss, logits, grads = results[impl]
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
+        for j in range(4):
+            torch.testing.assert_close(logits[j], ref_logits[j], rtol=1e-10, atol=1e-10)
+        for n in ref_grads:
+            torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-8, atol=1e-10, msg=n)
+
+
+def test_out_of_vocab_targets_are_excluded_from_the_loss_not_from_accuracy():
+    """A position whose full-vocab target argmax is outside the draft vocab carries no loss
+    (vLLM can never accept it) but still counts as a miss in accuracy."""
+    steps = 2
+    model = make_model(steps=steps, dtype=torch.float64)
+    batch = make_batch(B=1, T=12, dtype=torch.float64)
+    batch["loss_mask"][:] = True
+    oov = int((~model.t2d).nonzero()[0])
+    logits = torch.randn(1, 12, V, dtype=torch.float64)
+    logits[0, :, int(model.draft_ids[0])] = 40.0  # every other target argmax is draftable
+    logits[0, 5, oov] = 50.0  # target argmax at p=5 is OOV: predicted token x_6
+    batch["target_logits"] = logits
+    out = model.ttt_outputs(batch)
+    loss, m = model(batch)
+    for j in range(steps):
+        t = 5 - 1 - j  # column whose step-j teacher is f_5
+        assert out.valid[j][0, t] and not out.trained[j][0, t] and not out.correct[j][0, t]
+        assert float(out.token_loss[j][0, t].detach()) == 0.0
+        assert int(m[f"trained_step{j}"]) == int(m[f"valid_step{j}"]) - 1
+        assert float(m[f"loss_step{j}"]) == pytest.approx(
+            float(out.token_loss[j].sum()) / int(m[f"trained_step{j}"]), rel=1e-12)
+    # the OOV position's teacher can be anything: the loss does not move
+    logits2 = logits.clone()
+    logits2[0, 5, :] = torch.randn(V, dtype=torch.float64)
+    logits2[0, 5, oov] = 60.0
+    loss2, _ = model(dict(batch, target_logits=logits2))
+    assert float(loss2) == pytest.approx(float(loss), rel=1e-12)
 
 
 # ----------------------------------------------------------------------------- hand-computed loss
@@ -270,16 +320,18 @@ def test_loss_matches_hand_computation():
         qkv1 = [layer(emb(t + 2), h0[t], t + 1) for t in range(T)]
         h1 = [finish(qkv1[t][0], [qkv0[s][1] for s in range(t + 1)] + [qkv1[t][1]],
                      [qkv0[s][2] for s in range(t + 1)] + [qkv1[t][2]], h0[t]) for t in range(T)]
-        total, per_step_logits = 0.0, []
+        total, per_step_logits, n_terms = 0.0, [], []
         for j, hs in enumerate((h0, h1)):
             logits = [model.lm_head.weight @ _rms(hs[t], model.norm.weight, eps) for t in range(T)]
             per_step_logits.append(torch.stack(logits))
             terms = []
             for t in range(T):
-                if t + 2 + j < T and lm[t + 2 + j]:
+                if (t + 2 + j < T and lm[t + 2 + j]
+                        and bool(((Wt @ final[t + 1 + j]).argmax() == tids).any())):  # draftable
                     p = torch.softmax((Wt @ final[t + 1 + j])[tids], 0)
                     terms.append(-(p * torch.log_softmax(logits[t], 0)).sum())
-            total += 0.8 ** j * sum(terms) / len(terms)
+            total += 0.8 ** j * (sum(terms) / len(terms) if terms else 0.0)
+            n_terms.append(len(terms))
 
         loss, metrics = model(batch)
         out = model.ttt_outputs(batch)
@@ -287,6 +339,7 @@ def test_loss_matches_hand_computation():
         torch.testing.assert_close(out.logits[j][0], per_step_logits[j], rtol=1e-9, atol=1e-9)
     assert abs(float(loss) - float(total)) < 1e-6
     assert int(metrics["valid_step0"]) == 2 and int(metrics["valid_step1"]) == 1
+    assert [int(metrics[f"trained_step{j}"]) for j in range(steps)] == n_terms
 
 
 # ----------------------------------------------------------------------------- padding
@@ -326,8 +379,8 @@ def test_padded_batch_matches_unpadded_singles():
                 assert torch.equal(pb.correct[j][i, :n], so.correct[j][0])
                 total_sum[j] += float(so.token_loss[j].sum())
     for j in range(steps):
-        n_valid = int(met_b[f"valid_step{j}"])
-        assert float(met_b[f"loss_step{j}"]) == pytest.approx(total_sum[j] / n_valid, rel=1e-10)
+        n_trained = int(met_b[f"trained_step{j}"])
+        assert float(met_b[f"loss_step{j}"]) == pytest.approx(total_sum[j] / n_trained, rel=1e-10)
     with pytest.raises(ValueError, match="right-padded"):
         bad = dict(padded, attention_mask=padded["attention_mask"].flip(1))
         model(bad)
