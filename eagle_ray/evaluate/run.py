@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_ray.config import Recipe, resolve_target_path
+from eagle_ray.outputs import claim_output_dir
 from eagle_ray.provenance import atomic_write_bytes, atomic_write_json, provenance
 
 logger = logging.getLogger(__name__)
@@ -29,8 +30,7 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
                                                prompts_from_ingest)
     from eagle_ray.export.drafter import export_drafter, read_drafter_config
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = claim_output_dir(out_dir, "evaluate")  # new, empty or an earlier evaluate output
     drafter_dir = Path(drafter_dir).resolve()
     dcfg = read_drafter_config(drafter_dir)
     run_dir = Path(dcfg.get("eagle_ray", {}).get("run_dir", ""))

@@ -16,7 +16,6 @@ are skipped, uncommitted ones redone), without losing or duplicating a sample.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,8 @@ from eagle_ray.extract.stage import INPUT_COLUMNS, ExtractUDF
 from eagle_ray.provenance import target_fingerprint, tokenizer_fingerprint
 from eagle_ray.store.format import StoreManifest
 from eagle_ray.store.reader import committed_ids
+from eagle_ray.outputs import check_output_dir, claim_output_dir
+from eagle_ray.store.lock import store_lock
 from eagle_ray.store.writer import open_or_create
 from eagle_ray.tables import read_stage_table
 
@@ -100,10 +101,6 @@ def run_extract(recipe: Recipe, conversations: str | Path, store_dir: str | Path
     """Extract every conversation not yet in the store; resumable and idempotent."""
     import json
 
-    import ray
-
-    from eagle_ray.plan.budget import check_budget
-
     t0 = time.time()
     conv_file, table = read_stage_table(conversations, "conversations.parquet", INPUT_COLUMNS,
                                         "generate")
@@ -115,11 +112,23 @@ def run_extract(recipe: Recipe, conversations: str | Path, store_dir: str | Path
         g = json.loads(gen_manifest.read_text())
         generation = {k: g.get(k) for k in ("mode", "sampling", "target", "vllm_version")}
 
-    store = Path(store_dir)
+    store = check_output_dir(store_dir, "extract")  # refused before anything is written
     model_dir = resolve_target_path(recipe.target)
     _check_target_shape(recipe, model_dir)
     manifest = make_manifest(recipe, model_dir, generation)
-    open_or_create(store, manifest)  # refuses a store written for other features
+    # One writer per store: a second extract (or a repair, or a training run reading it)
+    # refuses instead of committing the same samples twice.
+    with store_lock(store, exclusive=True, command="eagle-ray extract"):
+        claim_output_dir(store, "extract")
+        open_or_create(store, manifest)  # refuses a store written for other features
+        return _extract_into(recipe, table, store, model_dir, manifest, t0)
+
+
+def _extract_into(recipe: Recipe, table, store: Path, model_dir: Path, manifest: StoreManifest,
+                  t0: float) -> ExtractResult:
+    import ray
+
+    from eagle_ray.plan.budget import check_budget
 
     done = committed_ids(store)
     todo = table.filter(pc.invert(pc.is_in(table.column("sample_id"),
@@ -136,8 +145,9 @@ def run_extract(recipe: Recipe, conversations: str | Path, store_dir: str | Path
         todo_tokens = int(n_tokens * todo.num_rows / max(1, table.num_rows))
         check_budget(recipe, num_samples=todo.num_rows,
                      avg_tokens=max(1.0, todo_tokens / todo.num_rows), out_dir=store)
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"))
+        from eagle_ray.cluster import init_ray
+
+        init_ray()
         e = recipe.extract
         todo = todo.select(list(INPUT_COLUMNS))
         blocks = [todo.slice(i, e.batch_size) for i in range(0, todo.num_rows, e.batch_size)]

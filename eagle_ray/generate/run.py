@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import pyarrow.parquet as pq
 
 from eagle_ray.config import Recipe, resolve_target_path
 from eagle_ray.generate.stage import CONVERSATIONS_SCHEMA, INPUT_COLUMNS, GenerateUDF, LoggedUDF
+from eagle_ray.outputs import claim_output_dir
 from eagle_ray.tables import read_stage_table
 from eagle_ray.provenance import (atomic_write_bytes, atomic_write_json, atomic_write_parquet,
                                   provenance, target_fingerprint)
@@ -128,6 +128,7 @@ def run_generate(recipe: Recipe, prompts: str | Path, out_dir: str | Path, *,
     if limit is not None:
         table = table.slice(0, limit)
     model_dir = resolve_target_path(recipe.target)
+    claim_output_dir(out, "generate")  # new, empty or an earlier generate output; else refused
     parts_dir.mkdir(parents=True, exist_ok=True)
     params = generation_params(recipe, model_dir)
     _check_params(out, params)
@@ -140,8 +141,9 @@ def run_generate(recipe: Recipe, prompts: str | Path, out_dir: str | Path, *,
 
     n_ok = n_rej = n_tok = 0
     if todo.num_rows:
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"))
+        from eagle_ray.cluster import init_ray
+
+        init_ray()
         ds = generation_dataset(recipe, todo, model_dir)
         last = time.time()
         t_gen = time.time()

@@ -9,6 +9,7 @@ It works as a map-style torch Dataset (`store[i]`) and feeds Ray Data via `index
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import OrderedDict
 from pathlib import Path
@@ -26,15 +27,39 @@ class StoreError(RuntimeError):
     """A store is unreadable or a sample fails its checksum."""
 
 
+class StoreDamagedError(StoreError):
+    """A structural problem (lost index part, missing or truncated shard, duplicate commit)."""
+
+
+def repair_hint(root: str | Path) -> str:
+    return (f"run `eagle-ray store repair {root}` (drops what is damaged, keeps one verified "
+            "copy of each sample), then `eagle-ray extract` again to redo the dropped samples")
+
+
 def read_manifest(root: str | Path) -> StoreManifest:
     path = Path(root) / MANIFEST_FILE
     if not path.exists():
         raise FileNotFoundError(f"{root} is not a hidden-state store (no {MANIFEST_FILE})")
-    d = json.loads(path.read_text())
+    way_out = ("restore it from a copy of the store, or extract into a new store directory; "
+               "the manifest cannot be rebuilt from the shards")
+    try:
+        d = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise StoreError(f"{path} is not valid JSON ({e}); {way_out}") from None
+    if not isinstance(d, dict):
+        raise StoreError(f"{path} holds a JSON {type(d).__name__}, not a store manifest; {way_out}")
     if d.get("schema_version") != SCHEMA_VERSION:
         raise StoreError(f"{root}: store schema_version {d.get('schema_version')} is not "
                          f"{SCHEMA_VERSION}, the version this eagle_ray reads")
-    return StoreManifest.from_dict(d)
+    required = [f.name for f in dataclasses.fields(StoreManifest)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise StoreError(f"{path} lacks required key(s) {', '.join(missing)}; {way_out}")
+    try:
+        return StoreManifest.from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise StoreError(f"{path} is not a valid store manifest ({e}); {way_out}") from None
 
 
 def read_index(root: str | Path) -> pa.Table:
@@ -42,7 +67,15 @@ def read_index(root: str | Path) -> pa.Table:
     parts = sorted((Path(root) / INDEX_DIR).glob("part-*.parquet"))
     if not parts:
         return INDEX_SCHEMA.empty_table()
-    return pa.concat_tables([pq.read_table(p, schema=INDEX_SCHEMA) for p in parts])
+    return pa.concat_tables([read_index_part(p) for p in parts])
+
+
+def read_index_part(path: Path) -> pa.Table:
+    try:
+        return pq.read_table(path, schema=INDEX_SCHEMA)
+    except (OSError, ValueError, pa.ArrowException) as e:  # truncated / overwritten parquet
+        raise StoreDamagedError(f"index part {path} is unreadable ({e}); "
+                                f"{repair_hint(path.parent.parent)}") from None
 
 
 def committed_ids(root: str | Path) -> set[str]:
@@ -96,8 +129,13 @@ class HiddenStateStore:
         if h is None:
             path = self.root / SHARDS_DIR / name
             if not path.exists():
-                raise StoreError(f"shard {name} referenced by the index is missing from {self.root}")
-            h = safe_open(str(path), framework="pt")  # memory-mapped
+                raise StoreDamagedError(f"shard {path} referenced by the index is missing; "
+                                        f"{repair_hint(self.root)}")
+            try:
+                h = safe_open(str(path), framework="pt")  # memory-mapped
+            except Exception as e:  # SafetensorError: truncated or overwritten header
+                raise StoreDamagedError(f"shard {path} is unreadable ({e}); "
+                                        f"{repair_hint(self.root)}") from None
             self._open[name] = h
             if len(self._open) > self._max_open:
                 self._open.popitem(last=False)
@@ -124,8 +162,9 @@ class HiddenStateStore:
             i = self._row_of[key] if isinstance(key, str) else int(key)
             got = sample_checksum([tensor_bytes(raw[k]) for k in sorted(raw)])
             if got != self._cols["checksum"][i]:
-                raise StoreError(f"sample {self._cols['sample_id'][i]} in {self._cols['shard'][i]} "
-                                 "fails its checksum (corrupted shard)")
+                raise StoreError(f"sample {self._cols['sample_id'][i]} fails its checksum in shard "
+                                 f"{self.root / SHARDS_DIR / self._cols['shard'][i]} (corrupted "
+                                 f"bytes); {repair_hint(self.root)}")
         dtype = dtype or torch.float32
         aux, final = raw["aux"].to(dtype), raw["final"].to(dtype)
         if "aux_scale" in raw:  # fp8: per-token, per-layer scales
@@ -140,9 +179,11 @@ class HiddenStateStore:
         return self.get(i)
 
 
-def verify_store(root: str | Path) -> dict[str, Any]:
-    """Check every index row against its shard (exists, in bounds, checksum) and find
-    orphans. Returns {"samples", "shards", "problems": [...], "orphans": [...]}."""
+def verify_store(root: str | Path, *, checksums: bool = True) -> dict[str, Any]:
+    """Check every index row against its shard (exists, readable, in bounds, and with
+    `checksums` its checksum) and find duplicates, orphan shards and temporary files.
+    Returns {"samples", "shards", "problems": [...], "orphans": [...], "temp_files", "ok"}.
+    Without checksums only headers are read: seconds for any store size."""
     from safetensors import safe_open
 
     from eagle_ray.store.writer import tensor_bytes
@@ -181,6 +222,8 @@ def verify_store(root: str | Path) -> dict[str, Any]:
                 if a < 0 or a + n > T:
                     problems.append(f"{r['sample_id']}: rows [{a}, {a + n}) outside {name} ({T} rows)")
                     continue
+                if not checksums:
+                    continue
                 got = sample_checksum([tensor_bytes(h.get_slice(k)[a:a + n]) for k in sorted(keys)])
                 if got != r["checksum"]:
                     problems.append(f"{r['sample_id']}: checksum mismatch in {name}")
@@ -192,3 +235,16 @@ def verify_store(root: str | Path) -> dict[str, Any]:
             "tokens": int(pc.sum(index.column("num_tokens")).as_py() or 0),
             "problems": problems, "orphans": orphans, "temp_files": temps,
             "ok": not problems and not orphans and not temps}
+
+
+def check_store_whole(root: str | Path) -> dict[str, Any]:
+    """The structural verify (no checksums) that a consumer runs before trusting a store;
+    raises StoreDamagedError naming the problems and the command that repairs them."""
+    rep = verify_store(root, checksums=False)
+    if not rep["ok"]:
+        found = rep["problems"] + [f"orphan shard {o} (its index part is lost)" for o in rep["orphans"]] \
+            + [f"temporary file {t} (an interrupted write)" for t in rep["temp_files"]]
+        more = f" (+{len(found) - 3} more)" if len(found) > 3 else ""
+        raise StoreDamagedError(f"store {root} is damaged: {'; '.join(found[:3])}{more}; "
+                                f"{repair_hint(root)}")
+    return rep

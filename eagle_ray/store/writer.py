@@ -4,13 +4,12 @@ Commit order (crash-safe):
     shards/.shard-W-S.safetensors.tmp -> fsync -> rename shards/shard-W-S.safetensors
     index/.part-W-S.parquet.tmp       -> fsync -> rename index/part-W-S.parquet   (commit)
 A crash before the second rename leaves an orphan shard (garbage that `store verify`
-reports and `store gc` removes), never an index row pointing at a partial shard. W is a
+reports and `store repair` removes), never an index row pointing at a partial shard. W is a
 per-writer id, so many extractor actors write one store concurrently without locks.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import uuid
@@ -22,10 +21,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle_ray.provenance import atomic_write_json, fsync_dir
+from eagle_ray.store.reader import StoreError, read_manifest
 from eagle_ray.store.format import (FP8_MAX, INDEX_DIR, INDEX_SCHEMA, MANIFEST_FILE, SHARDS_DIR,
                                     TORCH_DTYPES, StoreManifest, sample_checksum)
 
 logger = logging.getLogger(__name__)
+
+
+class StoreWriteError(StoreError):
+    """A shard or index part could not be written (full disk, I/O error)."""
 
 
 class StoreMismatchError(ValueError):
@@ -50,7 +54,7 @@ def open_or_create(root: str | Path, manifest: StoreManifest) -> Path:
     root = Path(root)
     path = root / MANIFEST_FILE
     if path.exists():
-        existing = StoreManifest.from_dict(json.loads(path.read_text()))
+        existing = read_manifest(root)  # a damaged manifest: StoreError naming the file
         diff = existing.mismatches(manifest)
         if diff:
             detail = "; ".join(f"{k}: store has {a!r}, this run has {b!r}" for k, (a, b) in diff.items())
@@ -144,13 +148,18 @@ class StoreWriter:
                 os.fsync(f.fileno())
             os.replace(part_tmp, part)  # the commit point
             fsync_dir(part.parent)
-        except BaseException:
+        except BaseException as e:
             # ENOSPC and friends: leave nothing half-written. A shard whose index part did
-            # not land is garbage; remove it now rather than leave it for gc.
+            # not land is garbage; remove it now rather than leave it for repair.
             for p in (shard_tmp, part_tmp):
                 p.unlink(missing_ok=True)
             if not part.exists():
                 shard.unlink(missing_ok=True)
+            if isinstance(e, OSError):
+                raise StoreWriteError(
+                    f"writing {shard} failed ({e.strerror or e}); nothing of this batch was "
+                    f"committed. Free space on {self.root} (or fix the file system) and re-run "
+                    "`eagle-ray extract`: it resumes where it stopped") from e
             raise
         return table
 

@@ -7,7 +7,7 @@ import torch
 
 from eagle_ray.store.format import StoreManifest
 from eagle_ray.store.reader import HiddenStateStore, StoreError, read_index, verify_store
-from eagle_ray.store.writer import SampleFeatures, StoreMismatchError, StoreWriter
+from eagle_ray.store.writer import SampleFeatures, StoreMismatchError, StoreWriter, StoreWriteError
 
 H, A = 16, 3
 
@@ -117,7 +117,7 @@ def test_enospc_leaves_nothing_half_written(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(StoreWriteError, match="No space left on device.*re-run `eagle-ray extract`"):
         w.write_shard(samples(2, seed=1))
     rep = verify_store(tmp_path)
     assert rep["ok"] and rep["samples"] == 2, rep
@@ -135,3 +135,80 @@ def test_orphan_shard_and_duplicate_rows_reported(tmp_path):
     rep = verify_store(tmp_path)
     assert any("more than once" in p for p in rep["problems"])
     assert len(HiddenStateStore(tmp_path)) == 2  # readers resolve to the first commit
+
+
+def test_structural_verify_names_the_damage_and_repair_is_the_way_back(tmp_path):
+    from eagle_ray.store.reader import StoreDamagedError, check_store_whole
+    from eagle_ray.store.repair import repair_store
+
+    w = StoreWriter(tmp_path, manifest())
+    w.write_shard(samples(2))
+    w.write_shard(samples(3, seed=1))
+    w.write_shard(samples(2, seed=2))
+    assert check_store_whole(tmp_path)["samples"] == 7
+    parts = sorted((tmp_path / "index").glob("part-*.parquet"))
+    # a duplicate commit (what two concurrent extractions did), a lost index part, a temp file
+    (tmp_path / "index" / "part-zzzz-00000.parquet").write_bytes(parts[0].read_bytes())
+    parts[2].unlink()
+    (tmp_path / "shards" / ".shard-x-00000.safetensors.tmp").write_bytes(b"partial")
+    with pytest.raises(StoreDamagedError, match="more than once.*store repair") as e:
+        check_store_whole(tmp_path)
+    assert "orphan shard" in str(e.value)
+    rep = repair_store(tmp_path)
+    assert rep["duplicates_dropped"] == 2 and rep["samples"] == 5
+    assert len(rep["shards_removed"]) == 1 and rep["temp_files_removed"]
+    assert verify_store(tmp_path)["ok"] and len(HiddenStateStore(tmp_path)) == 5
+    assert repair_store(tmp_path)["duplicates_dropped"] == 0  # idempotent
+
+
+def test_repair_keeps_the_verified_copy_and_drops_corrupted_or_missing(tmp_path):
+    from eagle_ray.store.repair import repair_store
+
+    w = StoreWriter(tmp_path, manifest())
+    w.write_shard(samples(3))
+    w.write_shard(samples(3))  # the same ids again: a verified second copy
+    w.write_shard(samples(2, seed=1))
+    shards = sorted((tmp_path / "shards").iterdir())
+    data = bytearray(shards[0].read_bytes())
+    data[-7] ^= 0x40  # corrupts the last sample of the first copy only
+    shards[0].write_bytes(bytes(data))
+    shards[2].unlink()  # a missing shard: its 2 samples must be re-extracted
+    rep = repair_store(tmp_path)
+    assert rep["samples"] == 3 and len(rep["damaged_dropped"]) == 3, rep
+    store = HiddenStateStore(tmp_path)
+    assert sorted(store.sample_ids) == ["s0-0", "s0-1", "s0-2"]
+    for sid in store.sample_ids:
+        store.get(sid, verify=True)
+    assert verify_store(tmp_path)["ok"]
+
+
+def test_one_writer_per_store(tmp_path):
+    from eagle_ray.store.lock import StoreBusyError, store_lock
+
+    with store_lock(tmp_path, exclusive=True, command="eagle-ray extract"):
+        with pytest.raises(StoreBusyError, match=r"in use by `eagle-ray extract` \(pid"):
+            with store_lock(tmp_path, exclusive=True, command="eagle-ray extract"):
+                pass
+        with pytest.raises(StoreBusyError):
+            with store_lock(tmp_path, exclusive=False, command="eagle-ray train"):
+                pass
+    with store_lock(tmp_path, exclusive=False, command="eagle-ray train"):
+        with store_lock(tmp_path, exclusive=False, command="eagle-ray train"):  # readers share
+            with pytest.raises(StoreBusyError, match="training run"):
+                with store_lock(tmp_path, exclusive=True, command="eagle-ray store repair"):
+                    pass
+    with store_lock(tmp_path, exclusive=True, command="eagle-ray store repair"):
+        pass  # released when the holders are done
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("not json", "manifest.json is not valid JSON"),
+    ('{"schema_version": 1}', r"lacks required key\(s\) target_path"),
+])
+def test_damaged_manifest_names_the_file(tmp_path, damage, needle):
+    StoreWriter(tmp_path, manifest()).write_shard(samples(1))
+    (tmp_path / "manifest.json").write_text(damage)
+    with pytest.raises(StoreError, match=needle):
+        HiddenStateStore(tmp_path)
+    with pytest.raises(StoreError, match=needle):
+        StoreWriter(tmp_path, manifest())

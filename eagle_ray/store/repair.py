@@ -1,0 +1,143 @@
+"""`eagle-ray store repair`: every failed `store verify` has a way back.
+
+Under the store's exclusive lock (no extraction may run meanwhile):
+
+    1. read every index part (an unreadable part is dropped whole)
+    2. check every row: shard present and readable, rows in bounds, checksum
+    3. of a sample id committed more than once, keep the first copy that verifies
+    4. rewrite each index part that loses rows (tmp -> fsync -> rename; an emptied part is
+       unlinked), so the index never points at anything removed in step 5
+    5. remove shards no kept row points at (orphans, damaged shards) and temporary files
+
+Every step is a single atomic rename or unlink; a repair killed at any point leaves a
+store whose index is consistent, and running repair again finishes the job. Dropped
+samples are not in the index any more, so `eagle-ray extract` redoes exactly them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle_ray.provenance import fsync_dir
+from eagle_ray.store.format import INDEX_DIR, SHARDS_DIR, sample_checksum
+from eagle_ray.store.lock import store_lock
+from eagle_ray.store.reader import StoreDamagedError, read_index_part, read_manifest
+
+logger = logging.getLogger(__name__)
+
+
+def _row_checker(root: Path, manifest):
+    """check(row) -> None if the row's bytes are intact, else the reason."""
+    from safetensors import safe_open
+
+    from eagle_ray.store.writer import tensor_bytes
+
+    handles: dict[str, Any] = {}
+    expected = {"aux", "final", "input_ids", "loss_mask"} | (
+        {"aux_scale", "final_scale"} if manifest.dtype == "fp8_e4m3" else set())
+
+    def shard(name: str):
+        if name not in handles:
+            path = root / SHARDS_DIR / name
+            if not path.exists():
+                handles[name] = "missing shard"
+            else:
+                try:
+                    h = safe_open(str(path), framework="pt")
+                    handles[name] = h if set(h.keys()) == expected else "unexpected tensors"
+                except Exception as e:  # SafetensorError: truncated / overwritten
+                    handles[name] = f"unreadable shard ({e})"
+        return handles[name]
+
+    def check(r: dict) -> str | None:
+        h = shard(r["shard"])
+        if isinstance(h, str):
+            return f"{h} {r['shard']}"
+        a, n = r["offset"], r["num_tokens"]
+        if a < 0 or a + n > h.get_slice("input_ids").get_shape()[0]:
+            return f"rows out of bounds in {r['shard']}"
+        got = sample_checksum([tensor_bytes(h.get_slice(k)[a:a + n]) for k in sorted(expected)])
+        return None if got == r["checksum"] else f"checksum mismatch in {r['shard']}"
+
+    return check
+
+
+def _rewrite_part(path: Path, table: pa.Table) -> None:
+    if table.num_rows == 0:
+        path.unlink()
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        pq.write_table(table, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def repair_store(root: str | Path, *, dry_run: bool = False) -> dict[str, Any]:
+    """Drop duplicate commits (keeping the first verified copy), damaged samples, unreadable
+    index parts, orphan shards and temporary files. Returns what was (or would be) done."""
+    root = Path(root)
+    manifest = read_manifest(root)  # an unreadable manifest cannot be repaired: it says how
+    with store_lock(root, exclusive=True, command="eagle-ray store repair"):
+        check = _row_checker(root, manifest)
+        kept_ids: set[str] = set()
+        referenced: set[str] = set()
+        report: dict[str, Any] = {"store": str(root), "dry_run": dry_run, "duplicates_dropped": 0,
+                                  "damaged_dropped": [], "parts_dropped": [], "parts_rewritten": [],
+                                  "shards_removed": [], "temp_files_removed": []}
+        rewrites: list[tuple[Path, pa.Table | None]] = []
+        for part in sorted((root / INDEX_DIR).glob("part-*.parquet")):
+            try:
+                table = read_index_part(part)
+            except StoreDamagedError as e:
+                logger.warning("repair: dropping %s", e)
+                report["parts_dropped"].append(part.name)
+                rewrites.append((part, None))
+                continue
+            keep = []
+            for r in table.to_pylist():
+                if r["sample_id"] in kept_ids:
+                    report["duplicates_dropped"] += 1
+                    keep.append(False)
+                    continue
+                reason = check(r)
+                if reason is not None:
+                    report["damaged_dropped"].append(f"{r['sample_id']}: {reason}")
+                    keep.append(False)
+                    continue
+                kept_ids.add(r["sample_id"])
+                referenced.add(r["shard"])
+                keep.append(True)
+            if not all(keep):
+                report["parts_rewritten"].append(part.name)
+                rewrites.append((part, table.filter(pa.array(keep, pa.bool_()))))
+        shards = sorted(p for p in (root / SHARDS_DIR).glob("shard-*.safetensors")
+                        if p.name not in referenced)
+        temps = sorted(p for d in (SHARDS_DIR, INDEX_DIR) for p in (root / d).glob(".*.tmp*"))
+        report["shards_removed"] = [p.name for p in shards]
+        report["temp_files_removed"] = [p.name for p in temps]
+        report["samples"] = len(kept_ids)
+        if dry_run:
+            return report
+        for part, table in rewrites:  # the index first: it never points at a removed shard
+            if table is None:
+                part.unlink()
+            else:
+                _rewrite_part(part, table)
+        fsync_dir(root / INDEX_DIR)
+        for p in shards + temps:
+            p.unlink(missing_ok=True)
+        fsync_dir(root / SHARDS_DIR)
+        fsync_dir(root / INDEX_DIR)
+    logger.info("repair %s: kept %d samples; dropped %d duplicate and %d damaged row(s), %d "
+                "index part(s); removed %d shard(s), %d temporary file(s)", root, len(kept_ids),
+                report["duplicates_dropped"], len(report["damaged_dropped"]),
+                len(report["parts_dropped"]), len(shards), len(temps))
+    return report
