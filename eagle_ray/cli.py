@@ -40,6 +40,17 @@ def cmd_tiny_target(args) -> int:
 def cmd_recipes(args) -> int:
     from eagle_ray.config import RECIPES, load_recipe
 
+    if args.check_target:
+        from eagle_ray.target_check import check_target_dir
+
+        if not args.name:
+            raise ValueError("--check-target needs a recipe name: eagle-ray recipes NAME --check-target DIR")
+        problems = check_target_dir(load_recipe(args.name, args.set), args.check_target)
+        for p in problems:
+            print(f"MISMATCH {p}")
+        print(f"{args.check_target}: {'matches' if not problems else f'{len(problems)} mismatch(es) with'} "
+              f"recipe {args.name}")
+        return 1 if problems else 0
     if args.name:
         print(load_recipe(args.name, args.set).to_json())
     else:
@@ -190,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("recipes", help="list recipes, or print one resolved (with --set)")
     p.add_argument("name", nargs="?")
     p.add_argument("--set", action="append", default=[])
+    p.add_argument("--check-target", metavar="DIR",
+                   help="validate a downloaded checkpoint's config, weight index and tokenizer "
+                        "against the recipe (no weights loaded); exit 1 on any mismatch")
     p.set_defaults(fn=cmd_recipes)
 
     p = sub.add_parser("ingest", help="validate, split, dedupe and mix conversation logs")

@@ -52,6 +52,10 @@ class TargetConfig:
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
     """Only when the user asks: lets the model directory run its own Python code."""
+    remote_code: str | None = None
+    """What in the real checkpoint is custom code (None: nothing). A target with custom code
+    (this note, or an `auto_map` in its tokenizer/model config) is refused until the user sets
+    trust_remote_code=true: recipes never opt in on the user's behalf."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "vocab_size", "num_attention_heads",
@@ -129,6 +133,10 @@ class DrafterConfig:
     """None: the target's head count."""
     num_key_value_heads: int | None = None
     """None: same as num_attention_heads."""
+    head_dim: int | None = None
+    """Per-head width of the drafter's attention. Every recipe sets it: a target config's
+    `head_dim` is not the drafter's (DeepSeek-V3/Kimi write their rope width, 64, there; a
+    Llama-style drafter layer for Kimi uses 128). None: hidden_size // num_attention_heads."""
     ttt_steps: int = 7
     num_speculative_tokens: int = 5
     """Chain length k used when evaluating in vLLM (and recommended for serving)."""
@@ -140,6 +148,9 @@ class DrafterConfig:
             raise ValueError(f"drafter.draft_vocab_size must be > 0, got {self.draft_vocab_size}")
         if self.ttt_steps < 1:
             raise ValueError(f"drafter.ttt_steps must be >= 1, got {self.ttt_steps}")
+        if self.head_dim is not None and (self.head_dim < 2 or self.head_dim % 2):
+            raise ValueError(f"drafter.head_dim={self.head_dim} must be an even number >= 2 "
+                             "(rotary embedding)")
 
 
 GENERATE_MODES = ("regenerate", "keep_logged")
@@ -318,7 +329,7 @@ def tiny_cpu() -> Recipe:
         target=TargetConfig(path=TINY_TARGET_ALIAS, **TINY_ARCH),
         data=DataConfig(max_seq_len=512),
         storage=StorageConfig(dtype="bf16", out_dir="out/store"),
-        drafter=DrafterConfig(draft_vocab_size=512),
+        drafter=DrafterConfig(draft_vocab_size=512, head_dim=32),
         generate=GenerateConfig(max_tokens=128, batch_size=16, gpus_per_replica=0),
         engine=EngineConfig(dtype="float32", max_model_len=1024, enforce_eager=True,
                             kv_cache_memory_bytes=64 << 20, num_cpus_per_replica=0.5),
@@ -340,7 +351,7 @@ def llama31_8b_8gpu() -> Recipe:
             vocab_size=128256, num_attention_heads=32, intermediate_size=14336),
         data=DataConfig(max_seq_len=4096),
         storage=StorageConfig(dtype="bf16", out_dir="/mnt/data/eagle_ray/llama31_8b/store"),
-        drafter=DrafterConfig(draft_vocab_size=32000, num_key_value_heads=8),
+        drafter=DrafterConfig(draft_vocab_size=32000, num_key_value_heads=8, head_dim=128),
         generate=GenerateConfig(max_tokens=8192, min_replicas=2, max_replicas=8,
                                 batch_size=64, gpus_per_replica=1),
         extract=ExtractConfig(backend="vllm", min_replicas=1, max_replicas=8, batch_size=8),
@@ -350,18 +361,28 @@ def llama31_8b_8gpu() -> Recipe:
 def kimi_k25_8gpu() -> Recipe:
     """Kimi-K2.5 (1T MoE, H=7168, 61 layers, vocab 163840): one TP=8 replica per node.
 
-    The target's attention is MLA; the drafter's single layer is a standard Llama layer with
-    64 heads of 128 (as published Kimi-K2 EAGLE-3 drafters use) and the dense MLP width 18432.
+    The checkpoint is a multimodal wrapper (`KimiK25ForConditionalGeneration`, config
+    `text_config` of model_type deepseek_v3, weights under `language_model.*`, INT4
+    compressed-tensors routed experts) around a DeepSeek-V3 text model (MLA attention, MoE with
+    sigmoid/noaux_tc routing). vLLM has its own Kimi-K2.5 model class; the TOKENIZER is custom
+    code in the checkpoint (tiktoken-based), so runs are refused until the user allows it with
+    --set target.trust_remote_code=true. `eagle-ray recipes kimi_k25_8gpu --check-target DIR`
+    checks a download against this recipe without loading weights.
+    The drafter's single layer is a standard Llama layer with 64 heads of 128 (as published
+    Kimi-K2 EAGLE-3 drafters use; Kimi's config.json head_dim is its rope width, 64, not this)
+    and the dense MLP width 18432.
     """
     return Recipe(
         name="kimi_k25_8gpu",
         target=TargetConfig(
-            path="moonshotai/Kimi-K2.5", architecture="DeepseekV3ForCausalLM",
+            path="moonshotai/Kimi-K2.5", architecture="KimiK25ForConditionalGeneration",
             hidden_size=7168, num_layers=61, vocab_size=163840, num_attention_heads=64,
-            intermediate_size=18432, tensor_parallel_size=8, trust_remote_code=False),
+            intermediate_size=18432, tensor_parallel_size=8, trust_remote_code=False,
+            remote_code="tokenizer: tokenization_kimi.TikTokenTokenizer (auto_map in "
+                        "tokenizer_config.json)"),
         data=DataConfig(max_seq_len=8192),
         storage=StorageConfig(dtype="bf16", out_dir="/mnt/data/eagle_ray/kimi_k25/store"),
-        drafter=DrafterConfig(draft_vocab_size=32000, num_key_value_heads=8),
+        drafter=DrafterConfig(draft_vocab_size=32000, num_key_value_heads=8, head_dim=128),
         generate=GenerateConfig(max_tokens=8192, min_replicas=1, max_replicas=1,
                                 batch_size=64, gpus_per_replica=8),
         extract=ExtractConfig(backend="vllm", min_replicas=1, max_replicas=1, batch_size=4,
@@ -445,4 +466,8 @@ def resolve_target_path(target: TargetConfig) -> Path:
         from eagle_ray.tiny.target import ensure_tiny_target
 
         return ensure_tiny_target()
-    return Path(target.path)
+    from eagle_ray.target_check import require_remote_code_consent
+
+    path = Path(target.path)
+    require_remote_code_consent(target, path)
+    return path

@@ -1,17 +1,33 @@
 """`eagle-ray check`: will serving feed the drafter the features it was trained on?
 
-Static: the exported config against the store manifest (layer ids present and equal, hidden
-size, vocabulary, target and tokenizer fingerprints, capture conventions).
-Runtime: load target + drafter in vLLM (in-process engine), prefill a store sample, capture
-the features vLLM hands the drafter (`combine_hidden_states` input, [tokens, 3H]) and compare
-them with the store's features for the same tokens. A drafter fed H-wide single-layer
-features, other layers, or features shifted by a layer fails here, loudly, with the cause.
+Static: the exported config against the store manifest (hidden size, vocabulary, target and
+tokenizer fingerprints, capture conventions) and the aux layer ids AS EACH vLLM MODEL RUNNER
+READS THEM. The runners disagree on where the ids live in the drafter config:
+
+    runner                          reads                                          if absent
+    V1 (gpu_model_runner; the CPU   top-level eagle_aux_hidden_state_layer_ids,    target default
+      build, older CUDA path)       else eagle_config.eagle_aux_hidden_state_...   (2, L//2, L-3)
+    V2 (v1/worker/gpu; the CUDA     top-level eagle_aux_hidden_state_layer_ids,    target default
+      default)                      else eagle_config.layer_ids (never the nested  (2, L//2, L-3)
+                                    eagle_aux_... key)
+
+so a config with only the nested key serves the right layers on the CPU and the DEFAULT layers
+on a GPU: right by coincidence for default ids, silently wrong for any other. We resolve the
+ids with vLLM's own functions (`runner_layer_ids`), falling back to a mirror of them only if
+an installed vLLM has moved them, and fail when any runner would pick other layers.
+
+Runtime: load target + drafter in vLLM, prefill a store sample, capture the features vLLM
+hands the drafter (`combine_hidden_states` input, [tokens, 3H]) and compare them with the
+store's features for the same tokens. The drafter is reached through vLLM's worker RPC
+(`collective_rpc` on `DrafterFeatureSpy`, a worker extension), so this works with every
+executor (in-process, multiprocess, Ray for TP > 1) and both runners (V1 `drafter`, V2
+`speculator`). A drafter fed H-wide single-layer features, other layers, or features shifted
+by a layer fails here, loudly, with the cause.
 """
 
 from __future__ import annotations
 
 import gc
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,23 +46,68 @@ class CheckResult:
         self.problems.append(msg)
 
 
+RUNNERS = ("V1", "V2")
+RUNNER_NAMES = {"V1": "vLLM model runner V1 (CPU build, older CUDA path)",
+                "V2": "vLLM model runner V2 (the CUDA default)"}
+
+
+def _mirror_layer_ids(cfg: dict) -> dict[str, list[int] | None]:
+    """vLLM 0.32/0.33's resolution rules for EAGLE-3 drafters, for a vLLM that moved them."""
+    top = cfg.get("eagle_aux_hidden_state_layer_ids")
+    eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    v1 = top or eagle.get("eagle_aux_hidden_state_layer_ids")
+    v2 = top or eagle.get("layer_ids")
+    return {"V1": [int(i) for i in v1] if v1 else None, "V2": [int(i) for i in v2] if v2 else None}
+
+
+def runner_layer_ids(cfg: dict) -> dict[str, list[int] | None]:
+    """{runner: aux layer ids it reads from this drafter config.json dict, None = it falls back
+    to the target's default}, resolved by vLLM's own code (both runners ship in both builds)."""
+    from types import SimpleNamespace as NS
+
+    try:
+        from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
+            get_eagle3_aux_layers_from_config as v2_ids,
+        )
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:  # a vLLM that moved them: our mirror of the rules above
+        return _mirror_layer_ids(cfg)
+    spec = NS(draft_model_config=NS(hf_config=NS(**cfg)))  # hf_config: config.json's keys
+    ids = {"V1": GPUModelRunner._get_eagle3_aux_layers_from_config(NS(speculative_config=spec)),
+           "V2": v2_ids(spec)}
+    return {k: [int(i) for i in v] if v else None for k, v in ids.items()}
+
+
 def config_layer_ids(cfg: dict) -> list[int] | None:
-    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    ids = ids if ids is not None else cfg.get("eagle_aux_hidden_state_layer_ids")
+    """The ids the drafter config states (top-level, else nested), whatever a runner reads."""
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+    ids = ids if ids is not None else (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     return [int(i) for i in ids] if ids is not None else None
+
+
+def check_layer_ids(cfg: dict, manifest, r: CheckResult) -> None:
+    """Fail unless every vLLM runner would capture exactly the store's aux layers."""
+    want = [int(i) for i in manifest.aux_layer_ids]
+    L = manifest.num_layers
+    default = [2, L // 2, L - 3]
+    read = runner_layer_ids(cfg)
+    r.details["runner_layer_ids"] = read
+    for runner in RUNNERS:
+        ids = read[runner]
+        if ids == want:
+            continue
+        # No ids at all fails even when the default happens to equal the trained layers:
+        # serving would then be right by coincidence, and wrong for the next recipe.
+        how = (f"reads layers {ids}" if ids is not None else
+               f"finds no layer ids it reads and silently uses the target's default {default}")
+        r.fail(f"{RUNNER_NAMES[runner]} {how}, but the drafter was trained on layers {want}: "
+               "re-export the drafter with `eagle-ray export` (it writes the ids where every "
+               "runner reads them)")
 
 
 def static_check(cfg: dict, manifest) -> CheckResult:
     r = CheckResult()
-    ids = config_layer_ids(cfg)
-    if ids is None:
-        L = manifest.num_layers
-        r.fail("drafter config has no eagle_aux_hidden_state_layer_ids: vLLM would pick its own "
-               f"default layers (e.g. (2, {L // 2}, {L - 3}) for {L} layers) instead of the ones the "
-               f"drafter was trained on {list(manifest.aux_layer_ids)}; re-export the drafter")
-    elif ids != list(manifest.aux_layer_ids):
-        r.fail(f"aux layer ids mismatch: drafter config says {ids}, the store was captured at "
-               f"{list(manifest.aux_layer_ids)}")
+    check_layer_ids(cfg, manifest, r)
     if int(cfg.get("target_hidden_size", cfg.get("hidden_size", -1))) != manifest.hidden_size:
         r.fail(f"hidden size mismatch: drafter expects {cfg.get('target_hidden_size')}, store has "
                f"{manifest.hidden_size}")
@@ -67,44 +128,75 @@ def static_check(cfg: dict, manifest) -> CheckResult:
     return r
 
 
+class DrafterFeatureSpy:
+    """vLLM worker extension (``worker_extension_cls``): records what the drafter is fed.
+
+    Called by name through ``LLM.collective_rpc`` on every worker, so it needs no
+    ``driver_worker`` (which the Ray executor used for TP > 1 and model runner V2 lack) and no
+    pickled code. The drafter model is ``model_runner.drafter.model`` (runner V1, the CPU
+    build) or ``model_runner.speculator.model`` (runner V2, the CUDA default); both call
+    ``model.combine_hidden_states(aux [tokens, 3H])`` on the target's captured features.
+    """
+
+    def eagle_ray_spy_drafter(self) -> str:
+        runner = self.model_runner
+        proposer = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
+        model = getattr(proposer, "model", None)
+        if model is None or not hasattr(model, "combine_hidden_states"):
+            raise RuntimeError(f"no EAGLE-3 drafter on {type(runner).__name__} (looked for "
+                               ".drafter.model / .speculator.model): is the method eagle3?")
+        inner = model.combine_hidden_states
+        self._eagle_ray_fed = []
+
+        def spy(hidden_states):
+            if not self._eagle_ray_fed:  # the first call: the prompt's prefill
+                self._eagle_ray_fed.append(hidden_states.detach().float().cpu().clone())
+            return inner(hidden_states)
+
+        model.combine_hidden_states = spy
+        return type(proposer).__name__
+
+    def eagle_ray_drafter_features(self, max_tokens: int):
+        """The first features the drafter was fed ([<= max_tokens, width] fp32), or None."""
+        fed = getattr(self, "_eagle_ray_fed", None)
+        return fed[0][:max_tokens] if fed else None
+
+
 def runtime_check(drafter_dir: str | Path, target_dir: str | Path, store, engine_kw: dict,
-                  sample: int | str = 0, atol: float | None = None) -> CheckResult:
+                  sample: int | str = 0, atol: float | None = None,
+                  max_tokens: int = 256) -> CheckResult:
     """Prefill one store sample in vLLM with the drafter attached; compare the features vLLM
-    feeds the drafter with the store's."""
+    feeds the drafter with the store's (its first ``max_tokens`` tokens)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     r = CheckResult()
     s = store.get(sample)
     ids = s["input_ids"].tolist()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the drafter must live in this process
     kw = {k: v for k, v in engine_kw.items() if k not in ("model", "tokenizer")}
     kw["enable_prefix_caching"] = False  # every prompt token must reach the drafter
+    kw["worker_extension_cls"] = f"{__name__}.{DrafterFeatureSpy.__name__}"
     llm = LLM(model=str(target_dir), tokenizer=str(target_dir), **kw,
               speculative_config={"method": "eagle3", "model": str(drafter_dir),
                                   "num_speculative_tokens": 1})
-    captured: list[torch.Tensor] = []
     try:
-        core = llm.llm_engine.engine_core.engine_core
-        worker = core.model_executor.driver_worker
-        drafter = getattr(worker, "worker", worker).model_runner.drafter.model
-        inner = drafter.combine_hidden_states
-
-        def spy(hidden_states):
-            captured.append(hidden_states.detach().float().cpu().clone())
-            return inner(hidden_states)
-
-        drafter.combine_hidden_states = spy
+        r.details["proposer"] = llm.collective_rpc("eagle_ray_spy_drafter")[0]
         llm.generate([TokensPrompt(prompt_token_ids=ids)],
                      SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+        fed = [f for f in llm.collective_rpc("eagle_ray_drafter_features", args=(max_tokens,))
+               if f is not None]
+        r.details["workers"] = len(fed)
     finally:
+        shutdown = getattr(llm.llm_engine.engine_core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
         del llm
         gc.collect()
-    if not captured:
+    if not fed:
         r.fail("vLLM never called the drafter's combine_hidden_states: is the method eagle3?")
         return r
-    got = captured[0]
-    want = s["aux"].float()
+    got = torch.as_tensor(fed[0])
+    want = s["aux"].float()[:max_tokens]
     r.details["fed_shape"] = list(got.shape)
     r.details["store_shape"] = list(want.shape)
     if got.shape[-1] != want.shape[-1]:

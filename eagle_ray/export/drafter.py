@@ -9,7 +9,9 @@ Layout: the original EAGLE-3 / SpecForge checkpoint layout that vLLM 0.32's
                                and rope, and an "eagle_ray" block with the store identity the
                                drafter was trained on (target/tokenizer fingerprints, layers,
                                conventions) for `eagle-ray check`
-    DRAFTER/model.safetensors  fc, midlayer.*, norm, lm_head, d2t (offsets), t2d
+    DRAFTER/model.safetensors  fc, midlayer.*, norm, lm_head in the served dtype (bf16 for
+                               GPU recipes), d2t (offsets) and t2d unless the draft vocab is
+                               the full vocab (vLLM then refuses them)
 
 We chose it over the speculators config layout because vLLM reads it without a conversion
 step on both our pinned builds, and it carries d2t/t2d as tensors next to the weights.
@@ -37,8 +39,22 @@ def build_drafter(run_info: dict, state: dict | None = None):
     arch = DrafterArch(**run_info["arch"])
     model = Eagle3Drafter(arch, d2t=torch.tensor(run_info["d2t"]))
     if state is not None:
+        state = dict(state)
+        for name in ("d2t", "t2d"):  # an export with the full vocab carries neither
+            if name not in state and arch.draft_vocab_size == arch.target_vocab_size:
+                state[name] = getattr(model, name)
         model.load_state_dict(state, strict=True)
     return model
+
+
+def served_dtype(engine_dtype: str, target_cfg: dict) -> str:
+    """The dtype vLLM will run the drafter in: the recipe's engine dtype, or with "auto" the
+    target's checkpoint dtype (bfloat16 for Llama-3.1 and Kimi-K2.5), as vLLM resolves it.
+    Exporting in it means the served weights are the trained ones rounded once, by us."""
+    if engine_dtype and engine_dtype != "auto":
+        return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32",
+                "fp32": "float32"}.get(engine_dtype, engine_dtype)
+    return str(target_cfg.get("dtype") or target_cfg.get("torch_dtype") or "bfloat16")
 
 
 def export_drafter(run_dir: str | Path, out_dir: str | Path, *, untrained: bool = False,
@@ -64,7 +80,8 @@ def export_drafter(run_dir: str | Path, out_dir: str | Path, *, untrained: bool 
     manifest = info["store_manifest"]
     target_cfg = json.loads((Path(info["target_dir"]) / "config.json").read_text())
     target_cfg = target_cfg.get("text_config", target_cfg)
-    cfg = vllm_config(model.arch, target_cfg, manifest["aux_layer_ids"])
+    dtype = served_dtype(info["recipe"]["engine"]["dtype"], target_cfg)
+    cfg = vllm_config(model.arch, target_cfg, manifest["aux_layer_ids"], dtype=dtype)
     cfg["eagle_ray"] = {"store": {k: manifest[k] for k in IDENTITY_KEYS},
                         "trained": not untrained, "run_dir": str(run.resolve()),
                         "provenance": provenance()}
@@ -72,7 +89,7 @@ def export_drafter(run_dir: str | Path, out_dir: str | Path, *, untrained: bool 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(state_dict_for_export(model), str(tmp / "model.safetensors"))
+    save_file(state_dict_for_export(model, getattr(torch, dtype)), str(tmp / "model.safetensors"))
     atomic_write_json(tmp / "config.json", cfg)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -634,12 +634,17 @@ def export_param_names() -> tuple[str, ...]:
 def state_dict_for_export(model: Eagle3Drafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """CPU, contiguous tensors named as vLLM's ``Eagle3LlamaForCausalLM.load_weights`` reads
     them. Floating tensors are cast to ``dtype`` when given; d2t stays int64, t2d bool.
-    The target embedding / lm_head are NOT included (vLLM shares the target's embedding)."""
+    The target embedding / lm_head are NOT included (vLLM shares the target's embedding).
+    With a full draft vocabulary (N == V) d2t/t2d are left out: vLLM then builds no
+    ``draft_id_to_target_id`` parameter and refuses a checkpoint that carries one."""
     sd = model.state_dict()
     if set(sd) != set(_EXPORT_PARAMS):
         raise RuntimeError(f"unexpected drafter state: {sorted(set(sd) ^ set(_EXPORT_PARAMS))}")
+    full_vocab = model.arch.draft_vocab_size == model.arch.target_vocab_size
     out = {}
     for name in _EXPORT_PARAMS:
+        if full_vocab and name in ("d2t", "t2d"):
+            continue
         t = sd[name].detach().to("cpu")
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
@@ -658,6 +663,12 @@ def _dtype_name(d: Any) -> str | None:
 def vllm_config(arch: DrafterArch, target_config: Mapping[str, Any], aux_layer_ids: Sequence[int],
                 *, dtype: torch.dtype | str | None = None) -> dict[str, Any]:
     """config.json for the exported drafter (vLLM: speculative method "eagle3").
+
+    The aux layer ids are written where EVERY vLLM runner reads them: top-level
+    ``eagle_aux_hidden_state_layer_ids`` (model runner V2, the CUDA default, reads only this
+    or ``eagle_config["layer_ids"]`` and otherwise silently uses the target's default layers)
+    and ``eagle_config["eagle_aux_hidden_state_layer_ids"]`` (the older runner, used by the CPU
+    build, and llama_eagle3's fc width).
 
     ``architectures`` = ["LlamaForCausalLMEagle3"] (vLLM registry -> llama_eagle3.
     Eagle3LlamaForCausalLM), ``model_type`` "llama", one hidden layer, plain (default) RoPE
@@ -696,6 +707,7 @@ def vllm_config(arch: DrafterArch, target_config: Mapping[str, Any], aux_layer_i
         "vocab_size": arch.target_vocab_size,
         "draft_vocab_size": arch.draft_vocab_size,
         "target_hidden_size": tgt_h,
+        "eagle_aux_hidden_state_layer_ids": ids,
         "tie_word_embeddings": False,
         "dtype": dt,
         "torch_dtype": dt,

@@ -64,10 +64,25 @@ def test_check_passes_on_good_export(trained):
     assert res.details["max_abs_diff"] < res.details["tolerance"]
 
 
+def _only_nested_ids(c):
+    c.pop("eagle_aux_hidden_state_layer_ids")  # what exports looked like before: V2 ignores it
+
+
+def _no_ids(c):
+    c.pop("eagle_aux_hidden_state_layer_ids")
+    c.pop("eagle_config")
+
+
+def _wrong_ids(c):
+    c["eagle_aux_hidden_state_layer_ids"] = [1, 4, 5]
+    c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 4, 5]
+
+
 @pytest.mark.parametrize("case,edit,needle", [
-    ("wrong_ids", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 4, 5]),
-     "aux layer ids mismatch: drafter config says [1, 4, 5]"),
-    ("no_ids", lambda c: c.pop("eagle_config"), "no eagle_aux_hidden_state_layer_ids"),
+    ("wrong_ids", _wrong_ids, "model runner V1 (CPU build, older CUDA path) reads layers [1, 4, 5]"),
+    ("no_ids", _no_ids, "finds no layer ids it reads and silently uses the target's default"),
+    ("nested_only", _only_nested_ids,
+     "model runner V2 (the CUDA default) finds no layer ids it reads"),
     ("other_target", lambda c: c["eagle_ray"]["store"].update(target_fingerprint="0" * 64),
      "trained on another target's features"),
 ])
@@ -78,6 +93,9 @@ def test_check_fails_naming_the_cause(trained, tmp_path, case, edit, needle):
     bad = _edit_config(d / "drafter", tmp_path / case, edit)
     res = run_check(r, bad, d / "store")
     assert not res.ok and any(needle in p for p in res.problems), res.problems
+    if case == "nested_only":  # only one runner is wrong, and only that one is named
+        assert res.details["runner_layer_ids"] == {"V1": [2, 4, 5], "V2": None}
+        assert len(res.problems) == 1, res.problems
 
 
 def test_check_catches_features_shifted_by_one_layer(trained, tmp_path):
@@ -96,3 +114,35 @@ def test_check_catches_features_shifted_by_one_layer(trained, tmp_path):
     res = run_check(r, d / "drafter", shifted)
     assert not res.ok, res.details
     assert any("other features than it was trained on" in p for p in res.problems), res.problems
+
+
+def test_non_default_aux_ids_survive_export_and_reach_the_drafter_in_vllm(trained, tmp_path):
+    """A store captured at non-default layers (1, 3, 6): the exported config carries them where
+    both runners read them (vLLM's own resolution code), and at runtime vLLM feeds the drafter
+    exactly those layers' features. The same drafter with its ids removed gets the target's
+    default layers (2, 4, 5) in vLLM: the runtime comparison catches that fallback."""
+    from eagle_ray.evaluate.check import run_check, runner_layer_ids
+    from eagle_ray.export.drafter import export_drafter, read_drafter_config
+    from eagle_ray.extract.run import run_extract
+    from eagle_ray.train.run import prepare_run
+
+    d, _ = trained
+    r = load_recipe("tiny_cpu", BASE + ["target.aux_layer_ids=1,3,6"])
+    run_extract(r, d / "conv", tmp_path / "store", limit=8)
+    prepare_run(r, tmp_path / "store", tmp_path / "run")
+    drafter = export_drafter(tmp_path / "run", tmp_path / "drafter", untrained=True)
+    cfg = read_drafter_config(drafter)
+    assert runner_layer_ids(cfg) == {"V1": [1, 3, 6], "V2": [1, 3, 6]}
+    res = run_check(r, drafter, tmp_path / "store")
+    assert res.ok, res.problems
+    assert sorted(res.details["max_abs_diff_per_layer"]) == [1, 3, 6]
+
+    fallback = _edit_config(drafter, tmp_path / "no_ids", _no_ids)
+    from eagle_ray.config import resolve_target_path
+    from eagle_ray.engine import engine_kwargs
+    from eagle_ray.evaluate.check import runtime_check
+    from eagle_ray.store.reader import HiddenStateStore
+
+    tdir = resolve_target_path(r.target)
+    rt = runtime_check(fallback, tdir, HiddenStateStore(tmp_path / "store"), engine_kwargs(r, str(tdir)))
+    assert not rt.ok and any("other features than it was trained on" in p for p in rt.problems)
