@@ -188,6 +188,25 @@ def cmd_store_verify(args) -> int:
     return 0 if rep["ok"] else 1
 
 
+def cmd_store_repair(args) -> int:
+    from eagle_ray.store.repair import repair_store
+
+    rep = repair_store(args.store, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(rep, indent=2))
+        return 0
+    verb = "would drop" if args.dry_run else "dropped"
+    print(f"{rep['store']}: {rep['samples']:,} samples kept; {verb} {rep['duplicates_dropped']:,} "
+          f"duplicate commit(s), {len(rep['damaged_dropped']):,} damaged sample(s), "
+          f"{len(rep['parts_dropped']):,} unreadable index part(s), "
+          f"{len(rep['shards_removed']):,} shard(s), {len(rep['temp_files_removed']):,} temp file(s)")
+    for d in rep["damaged_dropped"]:
+        print(f"DROPPED {d}")
+    if rep["damaged_dropped"] or rep["parts_dropped"]:
+        print("re-run `eagle-ray extract` into this store to redo the dropped samples")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle-ray", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -266,6 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("store")
     v.add_argument("--json", action="store_true")
     v.set_defaults(fn=cmd_store_verify)
+    r = store_sub.add_parser("repair", help="drop duplicate commits (keeping one verified copy), "
+                             "damaged samples, orphan shards and temp files")
+    r.add_argument("store")
+    r.add_argument("--dry-run", action="store_true", help="report what would be removed")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(fn=cmd_store_repair)
 
     p = sub.add_parser("stats", help="token statistics of an ingested/generated/extracted table")
     p.add_argument("path")
@@ -282,17 +307,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eagle_ray.plan.budget import BudgetError
+    from eagle_ray.errors import TracebackFilter, one_line, user_fault
 
     args = build_parser().parse_args(argv)
+    streams = sys.stdout, sys.stderr
+    if not args.verbose:  # stack traces (ours, and those Ray forwards from workers) behind -v
+        sys.stdout, sys.stderr = TracebackFilter(sys.stdout), TracebackFilter(sys.stderr)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-            PermissionError, BudgetError) as e:
-        print(f"eagle-ray {args.command}: error: {e}", file=sys.stderr)
+    except Exception as e:
+        # Bad stores, manifests, checkpoints, paths, full disks (also inside Ray's wrappers):
+        # one line naming the file and the way out; the stack trace only with -v.
+        fault = user_fault(e)
+        if fault is None:
+            sys.stdout.flush()
+            sys.stdout, sys.stderr = streams
+            raise  # a bug: keep the traceback
+        if args.verbose:
+            import traceback
+
+            traceback.print_exception(e)
+        print(f"eagle-ray {args.command}: error: {one_line(fault)}", file=sys.stderr)
         return 2
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 if __name__ == "__main__":

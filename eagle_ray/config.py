@@ -269,6 +269,10 @@ class TrainConfig:
     val_fraction: float = 0.05
     eval_interval: int = 500
     ckpt_interval: int = 500
+    keep_checkpoints: int = 3
+    """Keep the newest N checkpoints (0: all); resume falls back to an older one that loads."""
+    verify_checksums: bool = True
+    """Check each sample's checksum as training reads it (bench/bench_store.py states the cost)."""
     log_interval: int = 20
     seed: int = 0
     bf16: bool = True
@@ -283,6 +287,8 @@ class TrainConfig:
             raise ValueError(f"train.val_fraction={self.val_fraction} must be in (0, 1)")
         if self.lr <= 0 or self.grad_clip <= 0:
             raise ValueError("train: need lr > 0 and grad_clip > 0")
+        if self.keep_checkpoints < 0:
+            raise ValueError(f"train.keep_checkpoints={self.keep_checkpoints}: need >= 0 (0 keeps all)")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -161,6 +161,13 @@ def replace_dir_atomically(out: str | Path, command: str, write: Callable[[Path]
         tmp.mkdir()
         write(tmp)
         atomic_write_json(tmp / MARKER, {"command": command})
+        for f in tmp.rglob("*"):  # durable before it becomes visible under the real name
+            if f.is_file():
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
         fsync_dir(tmp)
         if out.exists():
             _exchange(tmp, out)  # tmp now holds the previous output

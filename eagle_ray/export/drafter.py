@@ -20,11 +20,13 @@ step on both our pinned builds, and it carries d2t/t2d as tensors next to the we
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
+from eagle_ray.outputs import check_output_dir, replace_dir_atomically
 from eagle_ray.provenance import atomic_write_json, provenance
+
+EXPORT_FILES = ("config.json", "model.safetensors")
 
 IDENTITY_KEYS = ("target_fingerprint", "tokenizer_fingerprint", "hidden_size", "num_layers",
                  "vocab_size", "aux_layer_ids", "capture_convention", "final_convention")
@@ -68,6 +70,11 @@ def export_drafter(run_dir: str | Path, out_dir: str | Path, *, untrained: bool 
     from eagle_ray.train.loop import latest_checkpoint
 
     run = Path(run_dir)
+    # Refused before any work: a file, or a directory that is not an earlier export.
+    check_output_dir(out_dir, "export", only=EXPORT_FILES)
+    if not (run / "run.json").exists():
+        raise FileNotFoundError(f"{run / 'run.json'} does not exist: {run} is not a training run "
+                                "directory; pass the --out of `eagle-ray train`")
     info = json.loads((run / "run.json").read_text())
     if untrained:
         torch.manual_seed(seed)
@@ -85,15 +92,13 @@ def export_drafter(run_dir: str | Path, out_dir: str | Path, *, untrained: bool 
     cfg["eagle_ray"] = {"store": {k: manifest[k] for k in IDENTITY_KEYS},
                         "trained": not untrained, "run_dir": str(run.resolve()),
                         "provenance": provenance()}
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(state_dict_for_export(model, getattr(torch, dtype)), str(tmp / "model.safetensors"))
-    atomic_write_json(tmp / "config.json", cfg)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    def write(tmp: Path) -> None:
+        save_file(state_dict_for_export(model, getattr(torch, dtype)), str(tmp / "model.safetensors"))
+        atomic_write_json(tmp / "config.json", cfg)
+
+    # Written next to out_dir and swapped in with one rename: an earlier export is replaced
+    # whole or not at all, and a failure leaves no temporary behind.
+    return replace_dir_atomically(out_dir, "export", write, only=EXPORT_FILES)
 
 
 def read_drafter_config(drafter_dir: str | Path) -> dict[str, Any]:

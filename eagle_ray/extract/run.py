@@ -118,8 +118,8 @@ def run_extract(recipe: Recipe, conversations: str | Path, store_dir: str | Path
     manifest = make_manifest(recipe, model_dir, generation)
     # One writer per store: a second extract (or a repair, or a training run reading it)
     # refuses instead of committing the same samples twice.
+    claim_output_dir(store, "extract")
     with store_lock(store, exclusive=True, command="eagle-ray extract"):
-        claim_output_dir(store, "extract")
         open_or_create(store, manifest)  # refuses a store written for other features
         return _extract_into(recipe, table, store, model_dir, manifest, t0)
 

@@ -13,6 +13,7 @@ works across NFS clients on Linux); the holder record inside it is only for the 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -46,8 +47,18 @@ def _holder(fd: int) -> str:
 def store_lock(root: str | Path, *, exclusive: bool, command: str) -> Iterator[None]:
     """Hold STORE/.lock for the block: exclusive for writers, shared for readers."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    if exclusive:
+        root.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        if exclusive or e.errno not in (errno.EACCES, errno.EROFS, errno.EPERM):
+            raise
+        try:  # a reader of a read-only store: lock what is there, or nothing to lock against
+            fd = os.open(root / LOCK_FILE, os.O_RDONLY)
+        except FileNotFoundError:
+            yield
+            return
     try:
         try:
             fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)

@@ -70,9 +70,11 @@ def make_batches(lengths: Sequence[int], tokens_per_batch: int, seed: int) -> li
     return batches
 
 
-def collate(store: HiddenStateStore, ids: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Right-padded batch: input_ids/loss_mask/attention_mask [B, T], aux [B, T, 3H], final [B, T, H]."""
-    samples = [store.get(sid) for sid in ids]
+def collate(store: HiddenStateStore, ids: Sequence[str], *,
+            verify: bool = False) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids/loss_mask/attention_mask [B, T], aux [B, T, 3H], final [B, T, H].
+    `verify`: check each sample's checksum as it is read (StoreError names sample and shard)."""
+    samples = [store.get(sid, verify=verify) for sid in ids]
     B, T = len(samples), max(len(s["input_ids"]) for s in samples)
     A, H = samples[0]["aux"].shape[1], samples[0]["final"].shape[1]
     out = {"input_ids": torch.zeros(B, T, dtype=torch.long),
@@ -95,13 +97,14 @@ class RankBatches:
     see the same global batches as 1 worker x (W*A) accum steps."""
 
     def __init__(self, store: HiddenStateStore, ids: Sequence[str], *, tokens_per_batch: int,
-                 seed: int, epoch: int, rank: int, world: int, accum: int):
+                 seed: int, epoch: int, rank: int, world: int, accum: int, verify: bool = False):
         lengths = [store._cols["num_tokens"][store._row_of[s]] for s in ids]
         batches = make_batches(lengths, tokens_per_batch, seed * 1_000_003 + epoch)
         per_step = world * accum
         self.steps = len(batches) // per_step  # drop the ragged tail so all ranks step together
         self.store, self.ids, self.batches = store, list(ids), batches
         self.rank, self.world, self.accum = rank, world, accum
+        self.verify = verify
 
     def micro_batches(self, step: int) -> list[list[str]]:
         base = step * self.world * self.accum + self.rank * self.accum
@@ -121,7 +124,8 @@ class Prefetcher:
     def _run(self, rb: RankBatches, start: int) -> None:
         try:
             for step in range(start, rb.steps):
-                self.q.put((step, [collate(rb.store, mb) for mb in rb.micro_batches(step)]))
+                self.q.put((step, [collate(rb.store, mb, verify=rb.verify)
+                                   for mb in rb.micro_batches(step)]))
         except BaseException as e:  # surface loader errors in the training loop
             self.q.put(e)
             return

@@ -9,8 +9,9 @@ Checkpoints (rank 0 writes, every rank reads on resume), RUN_DIR/checkpoints/ste
                         loaded with weights_only=True)
     rng/rank*.pt        torch CPU (+CUDA) RNG state of every rank
     state.json          step, epoch, step_in_epoch (the data position)
-A checkpoint directory is written as .tmp then renamed, so the latest complete one is
-simply the highest step-* directory.
+A checkpoint directory is written as .tmp, fsynced and renamed, with every file's size and
+hash in state.json (train/checkpoint.py); the driver resumes from the newest checkpoint that
+loads (cfg["resume_from"]), skipping damaged newer ones with a warning.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ logger = logging.getLogger(__name__)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    d = Path(run_dir) / "checkpoints"
-    done = sorted(p for p in d.glob("step-*") if (p / "state.json").exists()) if d.exists() else []
-    return done[-1] if done else None
+    """The newest checkpoint that loads (damaged newer ones are skipped with a warning)."""
+    from eagle_ray.train.checkpoint import newest_loadable
+
+    return newest_loadable(run_dir)
 
 
 def lr_lambda(warmup: int, total: int):
@@ -48,6 +50,8 @@ def _save_checkpoint(run_dir: Path, step: int, model, opt, sched, state: dict, r
     import torch
     from safetensors.torch import save_file
 
+    from eagle_ray.train.checkpoint import commit_checkpoint
+
     final = run_dir / "checkpoints" / f"step-{step:07d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -55,10 +59,7 @@ def _save_checkpoint(run_dir: Path, step: int, model, opt, sched, state: dict, r
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, tmp / "optim.pt")
     os.replace(rng_dir, tmp / "rng")
-    (tmp / "state.json").write_text(json.dumps(state, indent=2))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    return final
+    return commit_checkpoint(tmp, final, state)  # fsync files + dir, hashes, rename
 
 
 def _distributed_rng_save(run_dir: Path, step: int, rank: int) -> None:
@@ -108,7 +109,8 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t["warmup_steps"], t["max_steps"]))
 
     step, epoch, step_in_epoch = 0, 0, 0
-    ckpt = latest_checkpoint(run_dir)
+    # The driver picked the newest checkpoint that loads (every rank must use the same one).
+    ckpt = Path(cfg["resume_from"]) if cfg.get("resume_from") else None
     if ckpt is not None:
         model.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=False)
         o = torch.load(ckpt / "optim.pt", weights_only=True, map_location=device)
@@ -129,7 +131,8 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     if rank == 0:
         from tensorboardX import SummaryWriter
 
-        writer = SummaryWriter(str(run_dir / "tensorboard"))
+        # purge_step: events past the checkpoint (from the killed run) are dropped, not repeated
+        writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=step + 1 if ckpt else None)
     metrics_path = run_dir / "metrics.jsonl"
 
     def all_reduce(x):
@@ -138,6 +141,7 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
         return x
 
     steps = t["ttt_steps"]
+    verify = t.get("verify_checksums", True)  # a corrupted sample stops training, named
 
     def evaluate() -> dict[str, float]:
         """Held-out metrics over the validation split (sharded by rank, summed)."""
@@ -148,7 +152,8 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
         sums = torch.zeros(4 * steps, dtype=torch.float64)
         with torch.no_grad():
             for bi in range(rank, len(batches), world):
-                batch = {k: v.to(device) for k, v in collate(store, [val[i] for i in batches[bi]]).items()}
+                batch = {k: v.to(device) for k, v in
+                         collate(store, [val[i] for i in batches[bi]], verify=verify).items()}
                 _, m = model(batch)
                 for j in range(steps):
                     n_trained = m[f"trained_step{j}"].double().cpu()
@@ -184,7 +189,8 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if (use_gpu and t["bf16"]) else None
     while step < t["max_steps"]:
         rb = RankBatches(store, cfg["train_ids"], tokens_per_batch=t["tokens_per_batch"],
-                         seed=t["seed"], epoch=epoch, rank=rank, world=world, accum=t["grad_accum"])
+                         seed=t["seed"], epoch=epoch, rank=rank, world=world, accum=t["grad_accum"],
+                         verify=verify)
         if rb.steps == 0:
             raise ValueError(f"not enough training data for one step of {world} workers x "
                              f"{t['grad_accum']} micro-batches; lower train.tokens_per_batch")
@@ -232,7 +238,8 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
                                 f"  val acc0 {m_out['val/acc_step0']:.3f}" if "val/acc_step0" in m_out else "")
                 log(m_out)
             if step % t["ckpt_interval"] == 0 or step == t["max_steps"]:
-                _checkpoint(run_dir, step, epoch, step_in_epoch, model, opt, sched, rank, world, dist)
+                _checkpoint(run_dir, step, epoch, step_in_epoch, model, opt, sched, rank, world, dist,
+                            keep=t.get("keep_checkpoints", 0))
             if step >= t["max_steps"]:
                 break
         wait_total += pre.wait_s
@@ -242,12 +249,16 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
         writer.close()
 
 
-def _checkpoint(run_dir, step, epoch, step_in_epoch, model, opt, sched, rank, world, dist):
-    """Every rank saves its RNG state, then rank 0 writes the rest and renames atomically."""
+def _checkpoint(run_dir, step, epoch, step_in_epoch, model, opt, sched, rank, world, dist, keep=0):
+    """Every rank saves its RNG state, then rank 0 writes the rest and renames atomically,
+    then keeps only the newest `keep` checkpoints (0: all)."""
     _distributed_rng_save(run_dir, step, rank)
     dist.barrier()
     if rank == 0:
         state = {"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "world": world}
         _save_checkpoint(run_dir, step, model, opt, sched, state,
                          run_dir / "checkpoints" / f"rng-{step:07d}")
+        from eagle_ray.train.checkpoint import prune
+
+        prune(run_dir, keep)
     dist.barrier()

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from eagle_ray.config import Recipe, resolve_target_path
-from eagle_ray.provenance import atomic_write_json, provenance
+from eagle_ray.outputs import claim_output_dir
+from eagle_ray.provenance import atomic_write_bytes, atomic_write_json, provenance
 
 logger = logging.getLogger(__name__)
 
@@ -72,24 +72,45 @@ def prepare_run(recipe: Recipe, store_dir: str | Path, run_dir: str | Path) -> d
             "d2t": d2t.tolist(), "most_common_token": int(counts.argmax()),
             "most_common_token_share": float(counts.max() / max(1, counts.sum())),
             "provenance": provenance()}
-    run.mkdir(parents=True, exist_ok=True)
+    claim_output_dir(run, "train")
     atomic_write_json(path, info)
     return info
 
 
 def run_train(recipe: Recipe, store_dir: str | Path, run_dir: str | Path) -> dict[str, Any]:
     """Train (or resume) the drafter; returns the last logged metrics."""
+    from eagle_ray.outputs import check_output_dir
+    from eagle_ray.store.lock import store_lock
+    from eagle_ray.store.reader import check_store_whole, read_manifest
+
+    run = check_output_dir(Path(run_dir).resolve(), "train")  # refused before anything is written
+    read_manifest(store_dir)  # a clear error for a path that is not a store
+    # Training trusts the store only when it is whole (structural verify: index vs shards,
+    # sizes, duplicates, orphans; checksums are checked as samples are read), and holds it
+    # shared so that no extract or repair changes it meanwhile.
+    with store_lock(store_dir, exclusive=False, command="eagle-ray train"):
+        check_store_whole(store_dir)
+        return _train_on_whole_store(recipe, store_dir, run)
+
+
+def _train_on_whole_store(recipe: Recipe, store_dir: str | Path, run: Path) -> dict[str, Any]:
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from eagle_ray.errors import user_fault
+    from eagle_ray.train.checkpoint import newest_loadable
     from eagle_ray.train.loop import train_loop_per_worker
 
-    run = Path(run_dir).resolve()
     info = prepare_run(recipe, store_dir, run)
+    _check_ids_in_store(store_dir, info)
+    resume = newest_loadable(run)  # skips (with a warning) checkpoints that do not load
+    resume_step = json.loads((resume / "state.json").read_text())["step"] if resume else None
+    _truncate_metrics(run / "metrics.jsonl", resume_step)
     t = recipe.train
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"))
+    from eagle_ray.cluster import init_ray
+
+    init_ray()
     use_gpu = t.use_gpu and ray.cluster_resources().get("GPU", 0) >= t.num_workers
     if t.use_gpu and not use_gpu:
         raise ValueError(f"recipe {recipe.name} trains on {t.num_workers} GPU workers but the Ray "
@@ -97,7 +118,7 @@ def run_train(recipe: Recipe, store_dir: str | Path, run_dir: str | Path) -> dic
                          "--set train.use_gpu=false (CPU, gloo) or add GPUs")
     cfg = {"run_dir": str(run), "store": info["store"], "target_dir": info["target_dir"],
            "arch": info["arch"], "d2t": info["d2t"], "train_ids": info["train_ids"],
-           "val_ids": info["val_ids"],
+           "val_ids": info["val_ids"], "resume_from": str(resume) if resume else None,
            "train": {**asdict(t), "use_gpu": use_gpu, "ttt_steps": recipe.drafter.ttt_steps},
            "threads_per_worker": max(1, int(t.cpus_per_worker))}
     resources = {"CPU": t.cpus_per_worker} | ({"GPU": 1} if use_gpu else {})
@@ -108,6 +129,41 @@ def run_train(recipe: Recipe, store_dir: str | Path, run_dir: str | Path) -> dic
                                      resources_per_worker=resources),
         run_config=RunConfig(name="train", storage_path=str(run / "ray"),
                              failure_config=FailureConfig(max_failures=0)))
-    trainer.fit()
+    try:
+        trainer.fit()
+    except Exception as e:  # a store/checkpoint/disk fault inside a worker: raise it as itself
+        fault = user_fault(e)
+        if fault is None or fault is e:
+            raise
+        raise fault from e
     lines = (run / "metrics.jsonl").read_text().splitlines()
     return json.loads(lines[-1]) if lines else {}
+
+
+def _check_ids_in_store(store_dir: str | Path, info: dict) -> None:
+    """A resumed run trains on the ids in run.json: all must still be in the store."""
+    from eagle_ray.store.reader import committed_ids
+
+    have = committed_ids(store_dir)
+    gone = [sid for sid in info["train_ids"] + info["val_ids"] if sid not in have]
+    if gone:
+        raise ValueError(f"{len(gone)} sample(s) this run trains on (e.g. {gone[0]}) are no longer "
+                         f"in {store_dir}; re-run `eagle-ray extract` into it to restore them, or "
+                         "train into a new --out run directory")
+
+
+def _truncate_metrics(path: Path, step: int | None) -> None:
+    """Resume: drop rows logged after the checkpoint (the killed run's), so none repeats."""
+    if not path.exists():
+        return
+    rows = path.read_text().splitlines()
+    keep = [r for r in rows if step is not None and _row_step(r) <= step]
+    if len(keep) != len(rows):
+        atomic_write_bytes(path, "".join(r + "\n" for r in keep).encode())
+
+
+def _row_step(row: str) -> int:
+    try:
+        return int(json.loads(row)["step"])
+    except (ValueError, KeyError, TypeError):  # a torn last line from a kill
+        return 1 << 62

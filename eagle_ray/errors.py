@@ -1,0 +1,110 @@
+"""User-facing faults: find the one that matters inside Ray's wrappers.
+
+A bad store, manifest, checkpoint, path or a full disk is the user's to fix, and the CLI
+prints it as one line naming the file and the way out. Such an error often reaches the
+driver wrapped: RayTaskError (an actor or task), Ray Train's WorkerGroupError /
+ControllerError, Ray Data's UserCodeException, or chained with `raise ... from`.
+`user_fault` walks those wrappers; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+
+# OSErrors that are about the machine, not the code.
+DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
+
+
+def _user_types() -> tuple[type, ...]:
+    from eagle_ray.plan.budget import BudgetError
+    from eagle_ray.store.reader import StoreError
+    from eagle_ray.train.checkpoint import CheckpointError
+
+    return (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+            PermissionError, ConnectionError, BudgetError, StoreError, CheckpointError)
+
+
+def _is_user_fault(e: BaseException, types: tuple[type, ...]) -> bool:
+    return isinstance(e, types) or (isinstance(e, OSError) and e.errno in DISK_ERRNOS)
+
+
+def user_fault(e: BaseException) -> BaseException | None:
+    """The user-facing fault in `e` or in what it wraps (breadth first), else None."""
+    types = _user_types()
+    queue, seen = [e], set()
+    while queue:
+        x = queue.pop(0)
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        cause = getattr(x, "cause", None)  # RayTaskError: also an instance of its cause's type
+        if isinstance(cause, BaseException):
+            queue.insert(0, cause)
+            continue
+        if _is_user_fault(x, types):
+            return x
+        queue.extend([x.__cause__, x.__context__, getattr(x, "controller_failure", None)])
+        failures = getattr(x, "worker_failures", None)  # Ray Train: rank -> exception
+        if isinstance(failures, dict):
+            queue.extend(failures.values())
+    return None
+
+
+def one_line(e: BaseException) -> str:
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    text = lines[0] if lines else type(e).__name__
+    if isinstance(e, OSError) and e.errno in DISK_ERRNOS and e.filename and str(e.filename) not in text:
+        text += f" ({e.filename})"
+    return text
+
+
+# "(RayTrainWorker pid=9745)" / "(ExtractUDF pid=1, ip=10.0.0.2)", maybe coloured: Ray's
+# prefix on log lines it forwards from workers to the driver.
+_RAY_PREFIX = re.compile(r"^(?:\x1b\[[0-9;]*m)?\((?P<who>[^()]*pid=\d+[^()]*)\)(?:\x1b\[0m)?\s?")
+_CHAIN_LINES = ("During handling of the above exception", "The above exception was the direct")
+
+
+class TracebackFilter:
+    """A text stream wrapper that drops the stack frames of tracebacks (the driver's and
+    those Ray forwards from workers), keeping each exception's message line. The CLI wraps
+    stdout/stderr with it unless -v, so a user-facing fault prints as one line even when
+    Ray logs it with its traceback in a worker."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._buf = ""
+        self._skipping: set[str | None] = set()
+
+    def write(self, text: str) -> int:
+        self._buf += text
+        *lines, self._buf = self._buf.split("\n")
+        for line in lines:
+            self._line(line)
+        return len(text)
+
+    def _line(self, line: str) -> None:
+        m = _RAY_PREFIX.match(line)
+        who = m.group("who").split(",")[0] if m else None
+        body = line[m.end():] if m else line
+        if body.startswith("Traceback (most recent call last):"):
+            self._skipping.add(who)
+            return
+        if body.startswith(_CHAIN_LINES):
+            return
+        if who in self._skipping:
+            if not body.strip() or body[:1] in (" ", "\t"):
+                return  # a frame, a source line, a caret line
+            self._skipping.discard(who)  # the exception's own line: keep it
+        self._stream.write(line + "\n")
+
+    def flush(self) -> None:
+        if self._buf:
+            line, self._buf = self._buf, ""
+            m = _RAY_PREFIX.match(line)
+            if (m.group("who").split(",")[0] if m else None) not in self._skipping:
+                self._stream.write(line)
+        self._stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
