@@ -156,10 +156,15 @@ class DrafterFeatureSpy:
         model.combine_hidden_states = spy
         return type(proposer).__name__
 
-    def eagle_ray_drafter_features(self, max_tokens: int):
-        """The first features the drafter was fed ([<= max_tokens, width] fp32), or None."""
+    def eagle_ray_drafter_features(self, max_tokens: int) -> dict | None:
+        """The first features the drafter was fed ([<= max_tokens, width] fp32), or None, as
+        {"shape", "data": raw little-endian fp32 bytes}: plain types survive every executor's
+        RPC encoding (a tensor does not come back intact through the multiprocess one)."""
         fed = getattr(self, "_eagle_ray_fed", None)
-        return fed[0][:max_tokens] if fed else None
+        if not fed:
+            return None
+        t = fed[0][:max_tokens].contiguous()
+        return {"shape": list(t.shape), "data": t.numpy().astype("<f4").tobytes()}
 
 
 def runtime_check(drafter_dir: str | Path, target_dir: str | Path, store, engine_kw: dict,
@@ -195,7 +200,9 @@ def runtime_check(drafter_dir: str | Path, target_dir: str | Path, store, engine
     if not fed:
         r.fail("vLLM never called the drafter's combine_hidden_states: is the method eagle3?")
         return r
-    got = torch.as_tensor(fed[0])
+    import numpy as np
+
+    got = torch.from_numpy(np.frombuffer(fed[0]["data"], dtype="<f4").copy()).view(fed[0]["shape"])
     want = s["aux"].float()[:max_tokens]
     r.details["fed_shape"] = list(got.shape)
     r.details["store_shape"] = list(want.shape)

