@@ -70,6 +70,33 @@ def make_batches(lengths: Sequence[int], tokens_per_batch: int, seed: int) -> li
     return batches
 
 
+def sample_lengths(store: HiddenStateStore, ids: Sequence[str]) -> list[int]:
+    return [store._cols["num_tokens"][store._row_of[s]] for s in ids]
+
+
+def epoch_batches(lengths: Sequence[int], tokens_per_batch: int, seed: int, epoch: int) -> list[list[int]]:
+    """The micro-batches of one epoch (every rank computes the same list)."""
+    return make_batches(lengths, tokens_per_batch, seed * 1_000_003 + epoch)
+
+
+def check_enough_for_a_step(store: HiddenStateStore, ids: Sequence[str], *, tokens_per_batch: int,
+                            seed: int, world: int, accum: int) -> int:
+    """Optimizer steps in the first epoch; a ValueError saying what to change when it is 0
+    (checked by the driver, before any Ray worker starts)."""
+    lengths = sample_lengths(store, ids)
+    n = len(epoch_batches(lengths, tokens_per_batch, seed, 0))
+    need = world * accum
+    if n < need:
+        raise ValueError(
+            f"not enough training data for one optimizer step: the store's {len(ids)} training "
+            f"samples ({sum(lengths):,} tokens) make {n} micro-batch(es) of <= {tokens_per_batch:,} "
+            f"tokens, and one step needs train.num_workers x train.grad_accum = {world} x {accum} "
+            f"= {need}. Extract more samples, or lower train.num_workers / train.grad_accum / "
+            f"train.tokens_per_batch (e.g. --set train.num_workers={max(1, min(world, n))} "
+            "--set train.grad_accum=1)")
+    return n // need
+
+
 def collate(store: HiddenStateStore, ids: Sequence[str], *,
             verify: bool = False) -> dict[str, torch.Tensor]:
     """Right-padded batch: input_ids/loss_mask/attention_mask [B, T], aux [B, T, 3H], final [B, T, H].
@@ -98,10 +125,9 @@ class RankBatches:
 
     def __init__(self, store: HiddenStateStore, ids: Sequence[str], *, tokens_per_batch: int,
                  seed: int, epoch: int, rank: int, world: int, accum: int, verify: bool = False):
-        lengths = [store._cols["num_tokens"][store._row_of[s]] for s in ids]
-        batches = make_batches(lengths, tokens_per_batch, seed * 1_000_003 + epoch)
-        per_step = world * accum
-        self.steps = len(batches) // per_step  # drop the ragged tail so all ranks step together
+        lengths = sample_lengths(store, ids)
+        batches = epoch_batches(lengths, tokens_per_batch, seed, epoch)
+        self.steps = len(batches) // (world * accum)  # drop the ragged tail: ranks step together
         self.store, self.ids, self.batches = store, list(ids), batches
         self.rank, self.world, self.accum = rank, world, accum
         self.verify = verify

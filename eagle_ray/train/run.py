@@ -30,9 +30,11 @@ def drafter_arch(recipe: Recipe, target_dir: Path):
     cfg = cfg.get("text_config", cfg)
     d = recipe.drafter
     over: dict[str, Any] = {}
-    if d.num_attention_heads:
-        over["num_attention_heads"] = d.num_attention_heads
-        over["head_dim"] = recipe.target.hidden_size // d.num_attention_heads
+    heads = d.num_attention_heads or recipe.target.num_attention_heads
+    over["num_attention_heads"] = heads
+    # Explicit in every recipe; never the target config's head_dim (DeepSeek-V3 writes its
+    # rope width there).
+    over["head_dim"] = d.head_dim or recipe.target.hidden_size // heads
     if d.num_key_value_heads:
         over["num_key_value_heads"] = d.num_key_value_heads
     over["intermediate_size"] = recipe.target.intermediate_size
@@ -104,10 +106,16 @@ def _train_on_whole_store(recipe: Recipe, store_dir: str | Path, run: Path) -> d
 
     info = prepare_run(recipe, store_dir, run)
     _check_ids_in_store(store_dir, info)
+    from eagle_ray.store.reader import HiddenStateStore
+    from eagle_ray.train.data import check_enough_for_a_step
+
+    t = recipe.train
+    check_enough_for_a_step(HiddenStateStore(store_dir), info["train_ids"],
+                            tokens_per_batch=t.tokens_per_batch, seed=t.seed,
+                            world=t.num_workers, accum=t.grad_accum)
     resume = newest_loadable(run)  # skips (with a warning) checkpoints that do not load
     resume_step = json.loads((resume / "state.json").read_text())["step"] if resume else None
     _truncate_metrics(run / "metrics.jsonl", resume_step)
-    t = recipe.train
     from eagle_ray.cluster import init_ray
 
     init_ray()
