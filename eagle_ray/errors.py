@@ -48,6 +48,36 @@ def user_fault(e: BaseException) -> BaseException | None:
         failures = getattr(x, "worker_failures", None)  # Ray Train: rank -> exception
         if isinstance(failures, dict):
             queue.extend(failures.values())
+    return _fault_in_text(e)
+
+
+class ForwardedFault(RuntimeError):
+    """A user-facing fault known only from a remote traceback's text."""
+
+
+# The exception line of a remote traceback: "eagle_ray.store.writer.StoreWriteError: msg".
+_EXC_LINE = re.compile(r"^(?P<path>eagle_ray(?:\.\w+)+)\.(?P<cls>\w+): (?P<msg>.+)$", re.M)
+
+
+def _fault_in_text(e: BaseException) -> BaseException | None:
+    """Ray Data's UserCodeException loses its __cause__ when it is pickled back to the
+    driver; the original survives only in the traceback text. Find our own user-fault
+    exception line there."""
+    import importlib
+
+    types = _user_types()
+    texts, x, seen = [], e, set()
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        texts += [getattr(x, "traceback_str", "") or "", str(x)]
+        x = getattr(x, "cause", None) or x.__cause__ or x.__context__
+    for m in _EXC_LINE.finditer("\n".join(texts)):
+        try:
+            cls = getattr(importlib.import_module(m.group("path")), m.group("cls"))
+        except (ImportError, AttributeError):
+            continue
+        if isinstance(cls, type) and issubclass(cls, types):
+            return ForwardedFault(m.group("msg"))
     return None
 
 
