@@ -85,10 +85,11 @@ def encode(aux, final, dtype: str, num_layers_aux: int) -> dict:
             "final_scale": f_scale.float().contiguous()}
 
 
-def tensor_bytes(t) -> bytes:
+def tensor_bytes(t) -> memoryview:
+    """The tensor's bytes as a buffer for hashing (no copy when it is contiguous)."""
     import torch
 
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
+    return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
 class StoreWriter:

@@ -112,6 +112,8 @@ def test_killed_run_resumes_to_the_same_weights(store, tmp_path, ray_cluster):
     assert "step-0000040" not in done, "the kill should land mid-run"
     time.sleep(2)  # let Ray reap the dead job's workers before the next run takes their CPUs
     run_train(recipe(*sets), store, run)  # same RUN_DIR: resumes from the latest checkpoint
+    steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 10, 20, 30, 40], steps  # rows past the checkpoint are not repeated
     a, b = _weights(tmp_path / "straight"), _weights(run)
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5, msg=k)
