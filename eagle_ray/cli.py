@@ -27,12 +27,15 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_tiny_target(args) -> int:
-    from eagle_ray.tiny.target import build_tiny_target
+    if args.arch == "kimi_k25":
+        from eagle_ray.tiny.kimi import build_tiny_kimi as build
+    else:
+        from eagle_ray.tiny.target import build_tiny_target as build
 
     out = Path(args.out_dir)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty; choose a new directory")
-    stats = build_tiny_target(out, seed=args.seed)
+    stats = build(out, seed=args.seed)
     print(json.dumps(stats, indent=2))
     return 0
 
@@ -215,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tiny-target", help="build the tiny local target model + tokenizer")
     p.add_argument("out_dir")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arch", choices=("llama", "kimi_k25"), default="llama",
+                   help="llama: the tiny Llama (recipe tiny_cpu); kimi_k25: the Kimi-K2.5 twin "
+                        "(multimodal wrapper, DeepSeek-V3 MLA + MoE text model; tiny_kimi_cpu)")
     p.set_defaults(fn=cmd_tiny_target)
 
     p = sub.add_parser("recipes", help="list recipes, or print one resolved (with --set)")

@@ -22,8 +22,10 @@ from typing import Any
 
 STORAGE_DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3")
 
-# The alias a recipe's target.path may use for the locally built tiny model.
+# The aliases a recipe's target.path may use for the locally built tiny models: the tiny
+# Llama (eagle_ray.tiny.target) and the Kimi-K2.5 twin (eagle_ray.tiny.kimi).
 TINY_TARGET_ALIAS = "tiny"
+TINY_KIMI_ALIAS = "tiny-kimi"
 
 
 def default_cache_dir() -> Path:
@@ -172,8 +174,22 @@ class EngineConfig:
     seed: int = 0
     num_cpus_per_replica: float = 1.0
     """Ray CPU reservation per replica actor (fractional on small CPU machines)."""
+    language_model_only: bool = False
+    """Serve only the text model of a multimodal target (vLLM `language_model_only`): the
+    vision tower and projector are neither built nor loaded and media inputs are refused.
+    EAGLE-3 drafts text, and every stage feeds text, so the Kimi-K2.5 recipes set it (on the
+    GPU it frees the tower's memory; the tiny twin has no tower weights at all)."""
+    attention_backend: str | None = None
+    """Pin vLLM's attention backend (e.g. "CPU_MLA"); None lets vLLM choose per platform.
+    The CPU twin pins CPU_MLA: hosts with AMX would otherwise pick a bf16-only backend."""
+    custom_ops: tuple[str, ...] = ()
+    """vLLM `compilation_config.custom_ops` (e.g. ("all", "-rotary_embedding") to run a
+    layer's torch implementation instead of the platform kernel); () = vLLM's default."""
 
     def __post_init__(self) -> None:
+        if any(not op or op[0] not in "+-" and op not in ("all", "none") for op in self.custom_ops):
+            raise ValueError(f"engine.custom_ops={list(self.custom_ops)}: each entry is 'all', "
+                             "'none', '+NAME' or '-NAME' (vLLM compilation_config.custom_ops)")
         if self.max_model_len is not None and self.max_model_len < 16:
             raise ValueError(f"engine.max_model_len={self.max_model_len} is too small; use >= 16")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -391,13 +407,64 @@ def kimi_k25_8gpu() -> Recipe:
         drafter=DrafterConfig(draft_vocab_size=32000, num_key_value_heads=8, head_dim=128),
         generate=GenerateConfig(max_tokens=8192, min_replicas=1, max_replicas=1,
                                 batch_size=64, gpus_per_replica=8),
+        # Text only: EAGLE-3 drafts text; the vision tower is neither built nor loaded.
+        engine=EngineConfig(language_model_only=True),
         extract=ExtractConfig(backend="vllm", min_replicas=1, max_replicas=1, batch_size=4,
                               gpus_per_replica=8),
+        # One 8K-token sequence per micro-batch per GPU, two accumulated (16K tokens per GPU
+        # per step). bench/bench_ttt_memory.py extrapolates one 8K sequence of this drafter to
+        # ~124 GB with fp32 activations (chunked TTT attention); two would not fit in 141 GB.
+        train=TrainConfig(tokens_per_batch=8192, grad_accum=2),
+    )
+
+
+def tiny_kimi_cpu() -> Recipe:
+    """The Kimi-K2.5 twin on the CPU: kimi_k25_8gpu with tiny numbers and CPU engine args.
+
+    Built FROM kimi_k25_8gpu() by replacing fields, so everything not replaced here (target
+    architecture, extraction backend, generation mode, language_model_only, ...) is the
+    production recipe's, and CI runs the production code path of the real target. What is
+    replaced, and only that (tests/unit/test_kimi_recipe.py holds the allowed list):
+      numbers   the twin's shape (eagle_ray.tiny.kimi.KIMI_TEXT_ARCH), TP 1, sizes, replica
+                CPU shares, the drafter's draft vocabulary and KV heads (GQA 4:2 as 64:8)
+                and the tiny_cpu training schedule;
+      paths     target "tiny-kimi" (built on first use), store out/store; the twin is
+                built locally and has no custom code, so `remote_code` is None;
+      CPU-only  float32, eager, a fixed 64 MiB KV cache, no GPUs (generate/extract
+                gpus_per_replica 0, train.use_gpu/bf16 off), and
+                attention_backend="CPU_MLA": vLLM's CPU MLA backend (head size 576 =
+                kv_lora_rank 512 + rope 64 only), pinned because hosts with AMX would pick a
+                bf16-only backend.
+    """
+    from eagle_ray.tiny.kimi import KIMI_TEXT_ARCH as A
+
+    gpu, cpu = kimi_k25_8gpu(), tiny_cpu()
+    r = dataclasses.replace
+    return r(
+        gpu, name="tiny_kimi_cpu",
+        target=r(gpu.target, path=TINY_KIMI_ALIAS, hidden_size=A["hidden_size"],
+                 num_layers=A["num_hidden_layers"], vocab_size=A["vocab_size"],
+                 num_attention_heads=A["num_attention_heads"],
+                 intermediate_size=A["intermediate_size"], tensor_parallel_size=1,
+                 remote_code=None),
+        data=r(gpu.data, max_seq_len=cpu.data.max_seq_len),
+        storage=r(gpu.storage, out_dir=cpu.storage.out_dir),
+        drafter=r(gpu.drafter, draft_vocab_size=cpu.drafter.draft_vocab_size,
+                  num_key_value_heads=2, head_dim=A["hidden_size"] // A["num_attention_heads"]),
+        generate=r(gpu.generate, max_tokens=cpu.generate.max_tokens,
+                   batch_size=cpu.generate.batch_size, gpus_per_replica=0),
+        engine=r(gpu.engine, dtype="float32", max_model_len=1024, enforce_eager=True,
+                 kv_cache_memory_bytes=64 << 20, num_cpus_per_replica=0.5,
+                 attention_backend="CPU_MLA"),
+        extract=r(gpu.extract, batch_size=cpu.extract.batch_size, gpus_per_replica=0,
+                  num_cpus_per_replica=cpu.extract.num_cpus_per_replica),
+        train=cpu.train,
     )
 
 
 RECIPES: dict[str, typing.Callable[[], Recipe]] = {
     "tiny_cpu": tiny_cpu,
+    "tiny_kimi_cpu": tiny_kimi_cpu,
     "llama31_8b_8gpu": llama31_8b_8gpu,
     "kimi_k25_8gpu": kimi_k25_8gpu,
 }
@@ -472,6 +539,10 @@ def resolve_target_path(target: TargetConfig) -> Path:
         from eagle_ray.tiny.target import ensure_tiny_target
 
         return ensure_tiny_target()
+    if target.path == TINY_KIMI_ALIAS:
+        from eagle_ray.tiny.kimi import ensure_tiny_kimi
+
+        return ensure_tiny_kimi()
     from eagle_ray.target_check import require_remote_code_consent
 
     path = Path(target.path)

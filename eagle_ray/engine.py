@@ -30,7 +30,11 @@ ENGINE_ENV = {
 
 
 def engine_kwargs(recipe: Recipe, model_path: str) -> dict[str, Any]:
-    """Keyword arguments for `vllm.LLM` from the recipe."""
+    """Keyword arguments for `vllm.LLM` from the recipe (every engine the pipeline builds:
+    generation, extraction, check, evaluate). Plain JSON-able values only: evaluate passes
+    them to child processes as JSON. CPU-only arguments (attention_backend, custom_ops) are
+    set only by CPU recipes; vLLM bug fixes that are not arguments live in
+    `eagle_ray.vllm_plugin`, loaded by vLLM itself in every engine process."""
     e, t = recipe.engine, recipe.target
     kw: dict[str, Any] = dict(
         model=model_path, tokenizer=model_path, revision=t.revision, dtype=e.dtype,
@@ -44,6 +48,12 @@ def engine_kwargs(recipe: Recipe, model_path: str) -> dict[str, Any]:
         kw["gpu_memory_utilization"] = e.gpu_memory_utilization
     if t.tensor_parallel_size > 1:
         kw["distributed_executor_backend"] = "ray"  # TP workers on the actor's placement group
+    if e.language_model_only:
+        kw["language_model_only"] = True
+    if e.attention_backend is not None:
+        kw["attention_backend"] = e.attention_backend
+    if e.custom_ops:
+        kw["compilation_config"] = {"custom_ops": list(e.custom_ops)}
     return kw
 
 

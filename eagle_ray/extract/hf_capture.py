@@ -1,6 +1,8 @@
 """Reference capture backend: HF transformers `output_hidden_states` (small targets).
 
 Same interface as `VllmCapture`: `capture(sequences) -> [(aux [T, A*H], final [T, H])]`.
+The model is the target's text causal LM (`eagle_ray.targets.load_causal_lm`: for a
+multimodal wrapper such as Kimi-K2.5, its language model alone).
 Batches are right-padded: with a causal mask, padding after a sequence cannot change the
 states of its real tokens, and rows are cut back to each sequence's length.
 
@@ -18,14 +20,13 @@ class HFCapture:
     def __init__(self, model_path: str, aux_layer_ids: Sequence[int], *, device: str = "cpu",
                  dtype: str = "float32", revision: str | None = None,
                  trust_remote_code: bool = False):
-        import torch
-        from transformers import AutoModelForCausalLM
+        from eagle_ray.targets import load_causal_lm
 
         self.device = device
         self.aux_layer_ids = tuple(aux_layer_ids)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=getattr(torch, dtype) if dtype != "auto" else "auto",
-            revision=revision, trust_remote_code=trust_remote_code).to(device).eval()
+        # The text causal LM; a multimodal wrapper (Kimi-K2.5) loads its language_model.*.
+        self.model = load_causal_lm(model_path, dtype=dtype, revision=revision,
+                                    trust_remote_code=trust_remote_code).to(device).eval()
         L = self.model.config.num_hidden_layers
         if any(not 0 <= i < L for i in self.aux_layer_ids):
             raise ValueError(f"aux layer ids {self.aux_layer_ids} outside [0, {L - 1}]")

@@ -149,21 +149,31 @@ def build_tiny_target(out_dir: str | Path, *, seed: int = 0, train_steps: int = 
 
 def ensure_tiny_target(cache_dir: str | Path | None = None) -> Path:
     """The cached tiny target directory, built on first use (safe across processes)."""
+    return ensure_built("tiny-target", TINY_VERSION, build_tiny_target, cache_dir)
+
+
+def ensure_built(name: str, version: int, build, cache_dir: str | Path | None = None) -> Path:
+    """CACHE/<name>-v<version>, built once by `build(tmp_dir)` (used for both tiny targets).
+
+    Safe across processes: builders take a file lock (a second process waits, then finds it
+    built), build into a temporary directory and rename it into place, so a directory with
+    the eagle_ray_tiny.json marker is always complete. A version bump builds a new directory.
+    """
     from eagle_ray.config import default_cache_dir
 
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    final = root / f"tiny-target-v{TINY_VERSION}"
+    final = root / f"{name}-v{version}"
     if (final / "eagle_ray_tiny.json").exists():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".tiny-target-v{TINY_VERSION}.lock", "w") as lock:
+    with open(root / f".{name}-v{version}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits, then finds it built
         if (final / "eagle_ray_tiny.json").exists():
             return final
-        tmp = root / f".tiny-target-v{TINY_VERSION}.tmp-{os.getpid()}"
+        tmp = root / f".{name}-v{version}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        logger.info("building the tiny target into %s (first use; ~1 min)", final)
-        build_tiny_target(tmp)
+        logger.info("building %s into %s (first use; ~1 min)", name, final)
+        build(tmp)
         shutil.rmtree(final, ignore_errors=True)  # a stale partial dir without the marker
         os.replace(tmp, final)
     return final

