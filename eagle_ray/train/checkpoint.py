@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from eagle_ray.provenance import atomic_write_json, fsync_dir
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
+_STEP = re.compile(r"^step-\d+$")
 
 
 class CheckpointError(RuntimeError):
@@ -54,8 +56,8 @@ def checkpoints(run_dir: str | Path) -> list[Path]:
     d = Path(run_dir) / "checkpoints"
     if not d.exists():
         return []
-    return sorted((p for p in d.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")),
-                  reverse=True)
+    return sorted((p for p in d.glob("step-*") if p.is_dir() and _STEP.match(p.name)),
+                  reverse=True)  # not step-N.tmp (being written) nor step-N.old (being replaced)
 
 
 def commit_checkpoint(tmp: Path, final: Path, state: dict[str, Any]) -> Path:
