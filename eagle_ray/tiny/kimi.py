@@ -44,8 +44,9 @@ What differs, and why:
     `language_model_only=True`, under which vLLM replaces the vision tower and projector with
     placeholders that are neither built nor loaded (`SupportsMultiModal._mark_tower_model`),
     so the tower's shape in vision_config is never used beyond one number
-    (`vision_config.num_attention_heads`, read before the tower is skipped). Serving the twin
-    without language_model_only fails loudly (missing tower weights), never silently.
+    (`vision_config.num_attention_heads`, read before the tower is skipped). The twin must be
+    served with language_model_only (both Kimi recipes set it): without it vLLM would build
+    a real-size vision tower for which the twin has no weights.
   * The tokenizer is the tiny Llama's (`eagle_ray.tiny.target`), copied file for file with
     its chat template, so both tiny targets tokenize identically and share corpus stats.
     It has no "<|media_pad|>" token; media_placeholder_token_id (and image_token_id, the
