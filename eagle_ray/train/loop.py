@@ -101,9 +101,14 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     arch = DrafterArch(**cfg["arch"])
     model = Eagle3Drafter(arch, embed_weight=embed.float(), target_lm_head_weight=lm_head.float(),
                           d2t=torch.tensor(cfg["d2t"]), loss_decay=t["loss_decay"]).to(device)
+    # Buffers (the frozen V x H target embedding/lm_head, d2t, t2d) are loaded identically on
+    # every rank and never change: DDP must not broadcast them, neither at init (GBs for
+    # Kimi-K2.5) nor each forward. torch 2.13 deprecates broadcast_buffers=False, and its
+    # replacement forward_sync_buffers=False still syncs at init; ignoring them does neither.
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, [name for name, _ in model.named_buffers()])
     ddp = torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[device.index] if use_gpu else None,
-        broadcast_buffers=False)  # the frozen V x H target buffers never change
+        model, device_ids=[device.index] if use_gpu else None, forward_sync_buffers=False)
     opt = torch.optim.AdamW(model.parameters(), lr=t["lr"], betas=(0.9, 0.95),
                             weight_decay=t["weight_decay"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t["warmup_steps"], t["max_steps"]))
