@@ -150,6 +150,23 @@ def test_training_loads_embedding_and_lm_head_by_name(kimi_dir, hf_model):
     assert torch.equal(head, hf_model.lm_head.weight) and not torch.equal(embed, head)
 
 
+def test_hf_extract_backend_loads_the_text_model(recipe, kimi_dir, hf_model):
+    """The HF extract backend loads the wrapper's language model and, batched and padded,
+    returns each sequence's own hidden states."""
+    from eagle_ray.extract.hf_capture import HFCapture
+
+    aux_ids = recipe.target.resolved_aux_layer_ids
+    cap = HFCapture(str(kimi_dir), aux_ids)
+    assert type(cap.model).__name__ == "DeepseekV3ForCausalLM"
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 658, (n,), generator=g).tolist() for n in (5, 60)]
+    for s, (aux, final) in zip(seqs, cap.capture(seqs)):
+        with torch.no_grad():
+            hs = [h[0] for h in hf_model(torch.tensor([s]), output_hidden_states=True).hidden_states]
+        assert (aux - torch.cat([hs[i] for i in aux_ids], dim=-1)).abs().max() < 1e-4
+        assert (final - hs[-1]).abs().max() < 1e-4
+
+
 # --------------------------------------------------------------------------- vLLM == HF
 
 
