@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,12 +25,6 @@ STORAGE_DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3")
 # Llama (eagle_ray.tiny.target) and the Kimi-K2.5 twin (eagle_ray.tiny.kimi).
 TINY_TARGET_ALIAS = "tiny"
 TINY_KIMI_ALIAS = "tiny-kimi"
-
-
-def default_cache_dir() -> Path:
-    """Where built artifacts (the tiny target) live: $EAGLE_RAY_CACHE or ~/.cache/eagle_ray."""
-    env = os.environ.get("EAGLE_RAY_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "eagle_ray"
 
 
 @dataclass(kw_only=True, frozen=True)

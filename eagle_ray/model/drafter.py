@@ -354,7 +354,6 @@ class Eagle3Attention(nn.Module):
         # Step-0 block: full [T,T] scores under the causal mask. Blocks 1..j are diagonal (a
         # column sees only its own later-step keys), so each is one dot product per column.
         # Quadratic memory, kept for backward: the reference the chunked version is tested on.
-        T = q.shape[2]
         k0, v0 = (self._repeat_kv(t) for t in cache[0])
         diag = [self._repeat_kv(t) for kv in cache[1:] for t in kv]
         return self._attend_rows(q, k0, v0, am, 0, *diag)

@@ -152,6 +152,14 @@ def ensure_tiny_target(cache_dir: str | Path | None = None) -> Path:
     return ensure_built("tiny-target", TINY_VERSION, build_tiny_target, cache_dir)
 
 
+def default_cache_dir() -> Path:
+    """Where built artifacts (the tiny targets) live: $EAGLE_RAY_CACHE or ~/.cache/eagle_ray.
+    (Here, not in eagle_ray.config: the tiny package never imports the config; the config
+    imports the tiny targets' numbers.)"""
+    env = os.environ.get("EAGLE_RAY_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "eagle_ray"
+
+
 def ensure_built(name: str, version: int, build, cache_dir: str | Path | None = None) -> Path:
     """CACHE/<name>-v<version>, built once by `build(tmp_dir)` (used for both tiny targets).
 
@@ -159,8 +167,6 @@ def ensure_built(name: str, version: int, build, cache_dir: str | Path | None = 
     built), build into a temporary directory and rename it into place, so a directory with
     the eagle_ray_tiny.json marker is always complete. A version bump builds a new directory.
     """
-    from eagle_ray.config import default_cache_dir
-
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     final = root / f"{name}-v{version}"
     if (final / "eagle_ray_tiny.json").exists():
