@@ -108,7 +108,7 @@ def check_target_dir(recipe: Recipe, model_dir: str | Path) -> list[str]:
             problems.append(f"{len(missing)} weight file(s) named by the index are missing or "
                             f"empty (incomplete download?): {', '.join(missing[:5])}"
                             + (" ..." if len(missing) > 5 else ""))
-        from eagle_ray.train.target_weights import EMBED_SUFFIX, LM_HEAD_NAMES
+        from eagle_ray.targets import EMBED_SUFFIX, LM_HEAD_NAMES
 
         if not any(n.endswith(EMBED_SUFFIX) and "mtp" not in n for n in wmap):
             problems.append(f"no *{EMBED_SUFFIX} tensor in the weight index (training loads it)")

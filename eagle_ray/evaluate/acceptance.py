@@ -40,8 +40,8 @@ def offline_acceptance(run_info: dict, drafter_state: dict | None, k: int,
     """Simulated acceptance on the run's held-out split (drafter_state None = untrained)."""
     from eagle_ray.export.drafter import build_drafter
     from eagle_ray.store.reader import HiddenStateStore
-    from eagle_ray.train.data import collate
-    from eagle_ray.train.target_weights import load_embed_and_lm_head
+    from eagle_ray.store.batch import collate
+    from eagle_ray.targets import load_embed_and_lm_head
 
     model = build_drafter(run_info, drafter_state).eval()
     embed, head = load_embed_and_lm_head(run_info["target_dir"])

@@ -26,6 +26,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from eagle_ray.store.batch import collate
 from eagle_ray.store.reader import HiddenStateStore
 
 
@@ -95,27 +96,6 @@ def check_enough_for_a_step(store: HiddenStateStore, ids: Sequence[str], *, toke
             f"train.tokens_per_batch (e.g. --set train.num_workers={max(1, min(world, n))} "
             "--set train.grad_accum=1)")
     return n // need
-
-
-def collate(store: HiddenStateStore, ids: Sequence[str], *,
-            verify: bool = False) -> dict[str, torch.Tensor]:
-    """Right-padded batch: input_ids/loss_mask/attention_mask [B, T], aux [B, T, 3H], final [B, T, H].
-    `verify`: check each sample's checksum as it is read (StoreError names sample and shard)."""
-    samples = [store.get(sid, verify=verify) for sid in ids]
-    B, T = len(samples), max(len(s["input_ids"]) for s in samples)
-    A, H = samples[0]["aux"].shape[1], samples[0]["final"].shape[1]
-    out = {"input_ids": torch.zeros(B, T, dtype=torch.long),
-           "loss_mask": torch.zeros(B, T, dtype=torch.bool),
-           "attention_mask": torch.zeros(B, T, dtype=torch.bool),
-           "aux": torch.zeros(B, T, A), "final": torch.zeros(B, T, H)}
-    for b, s in enumerate(samples):
-        n = len(s["input_ids"])
-        out["input_ids"][b, :n] = s["input_ids"]
-        out["loss_mask"][b, :n] = s["loss_mask"]
-        out["attention_mask"][b, :n] = True
-        out["aux"][b, :n] = s["aux"]
-        out["final"][b, :n] = s["final"]
-    return out
 
 
 class RankBatches:

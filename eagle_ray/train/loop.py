@@ -82,8 +82,9 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
 
     from eagle_ray.model.drafter import DrafterArch, Eagle3Drafter
     from eagle_ray.store.reader import HiddenStateStore
-    from eagle_ray.train.data import Prefetcher, RankBatches, collate, make_batches
-    from eagle_ray.train.target_weights import load_embed_and_lm_head
+    from eagle_ray.store.batch import collate
+    from eagle_ray.train.data import Prefetcher, RankBatches, make_batches
+    from eagle_ray.targets import load_embed_and_lm_head
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()

@@ -143,7 +143,7 @@ def test_build_is_deterministic_and_shaped_like_kimi(tmp_path, kimi_dir, recipe)
 
 
 def test_training_loads_embedding_and_lm_head_by_name(kimi_dir, hf_model):
-    from eagle_ray.train.target_weights import load_embed_and_lm_head
+    from eagle_ray.targets import load_embed_and_lm_head
 
     embed, head = load_embed_and_lm_head(kimi_dir)
     assert torch.equal(embed, hf_model.model.embed_tokens.weight)

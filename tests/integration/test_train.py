@@ -34,7 +34,7 @@ def recipe(*extra):
 def frequency_baseline(store_dir, run_dir):
     """Held-out step-0 accuracy of always predicting the most common loss token."""
     from eagle_ray.store.reader import HiddenStateStore
-    from eagle_ray.train.target_weights import load_embed_and_lm_head
+    from eagle_ray.targets import load_embed_and_lm_head
 
     info = json.loads((run_dir / "run.json").read_text())
     store = HiddenStateStore(store_dir)
