@@ -1,10 +1,23 @@
-"""The end-to-end pipeline, stage by stage (the job in jobs/end_to_end.py calls this).
+"""The end-to-end pipeline, step by step (the job in jobs/end_to_end.py calls this).
 
-Stages so far: target (build the tiny target on first use) -> ingest -> stats -> plan ->
-generate (Ray Data -> vLLM replicas) -> extract (Ray Data -> extractor actors -> store) ->
-train (Ray Train DDP) -> export (vLLM drafter dir) -> check (train/serve features) -> evaluate
-(offline + online acceptance vs untrained and n-gram).
-Each stage writes under OUT/<stage>/ and can be re-run on its own with the CLI.
+    target -> ingest -> stats/plan -> generate -> extract -> train -> export -> check -> evaluate
+    OUT/    ingest/              generate/   store/    train/  drafter/ check.json evaluate/
+
+Each step writes under OUT/ with the same code as its CLI command, and is skipped when its
+output is already complete, so a failed or stopped job resumes when it is submitted again:
+
+  step      complete when                                          when not complete
+  ingest    ingest/report.json (written last)                      re-run (deterministic ids)
+  generate  generate/manifest.json: no prompt pending              resume: skip done samples
+  extract   every conversation committed in store/index            resume: skip committed samples
+  train     newest loadable checkpoint at train.max_steps          resume from that checkpoint
+  export    drafter/ exported from that checkpoint                 export (atomic swap)
+  check     check.json (ok) for that drafter                       check
+  evaluate  evaluate/report.json for that drafter                  evaluate
+  (stats and plan are recomputed every time: seconds.)
+
+A different recipe or data set needs a new --out: generate and the store refuse mixing.
+OUT/summary.json (status "finished") is written last.
 """
 
 from __future__ import annotations
@@ -15,12 +28,49 @@ import time
 from pathlib import Path
 
 from eagle_ray.config import Recipe, resolve_target_path
+from eagle_ray.provenance import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_DATA = [str(REPO_ROOT / "examples" / "data" / "personal.jsonl"),
                str(REPO_ROOT / "examples" / "data" / "general_sharegpt.jsonl") + ":600"]
+SUMMARY_FILE = "summary.json"
+CHECK_FILE = "check.json"
+
+
+def _json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def generate_complete(gen_dir: Path, num_prompts: int) -> bool:
+    m = _json(gen_dir / "manifest.json")
+    return (m is not None and m.get("counts", {}).get("pending") == 0
+            and m["counts"].get("prompts") == num_prompts)
+
+
+def train_complete(run_dir: Path, max_steps: int) -> Path | None:
+    """The final checkpoint when training reached max_steps, else None."""
+    from eagle_ray.train.checkpoint import newest_loadable
+
+    if not (run_dir / "run.json").exists():
+        return None
+    ckpt = newest_loadable(run_dir)
+    if ckpt is None or json.loads((ckpt / "state.json").read_text())["step"] < max_steps:
+        return None
+    return ckpt
+
+
+def _last_metrics(run_dir: Path) -> dict:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+    return json.loads(lines[-1]) if lines else {}
+
+
+def _skip(step: str, where: Path) -> None:
+    print(f"{step}: complete in {where}, skipped")
 
 
 def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> dict:
@@ -29,9 +79,10 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
     from eagle_ray.data.tokenize import length_annotator
     from eagle_ray.plan.budget import format_plan, plan_from_stats
 
-    out = Path(out_dir)
+    out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
+    ran: list[str] = []
 
     t0 = time.time()
     target_dir = resolve_target_path(recipe.target)
@@ -39,29 +90,41 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
     logger.info("target: %s", target_dir)
 
     t0 = time.time()
-    res = ingest([SourceSpec.parse(s) for s in inputs], out / "ingest", seed=recipe.data.seed,
-                 annotate=length_annotator(recipe))
+    report = _json(out / "ingest" / "report.json")
+    if report is None:
+        ingest([SourceSpec.parse(s) for s in inputs], out / "ingest", seed=recipe.data.seed,
+               annotate=length_annotator(recipe))
+        report = _json(out / "ingest" / "report.json")
+        ran.append("ingest")
+    else:
+        _skip("ingest", out / "ingest")
     timings["ingest"] = time.time() - t0
-    print(f"ingest: accepted {res.accepted:,} + duplicates {res.duplicates:,} + rejected "
-          f"{res.rejected:,} + sampled out {res.sampled_out:,} = lines read {res.lines_read:,}")
-    if res.accepted == 0:
+    counts = {k: report[k] for k in ("lines_read", "accepted", "duplicates", "rejected", "sampled_out")}
+    print(f"ingest: accepted {counts['accepted']:,} + duplicates {counts['duplicates']:,} + rejected "
+          f"{counts['rejected']:,} + sampled out {counts['sampled_out']:,} = lines read "
+          f"{counts['lines_read']:,}")
+    if counts["accepted"] == 0:
         raise ValueError("no sample was accepted; see " + str(out / "ingest" / "rejects.jsonl"))
 
-    t0 = time.time()
     stats = compute_stats(out / "ingest")
-    timings["stats"] = time.time() - t0
     print(format_stats(stats))
-
     plan = plan_from_stats(recipe, stats, token_lengths(out / "ingest").to_numpy(),
                            out_dir=out / "store")
     print(format_plan(plan))
+
     from eagle_ray.generate.run import run_generate
 
     t0 = time.time()
-    gen = run_generate(recipe, out / "ingest", out / "generate")
+    if generate_complete(out / "generate", counts["accepted"]):
+        _skip("generate", out / "generate")
+    else:
+        gen = run_generate(recipe, out / "ingest", out / "generate")
+        ran.append("generate")
+        print(f"generate: {gen.generated:,} conversations, {gen.rejected:,} rejected "
+              f"({gen.skipped_done:,} done before this run), {gen.completion_tokens:,} completion "
+              f"tokens this run -> {out / 'generate'}")
     timings["generate"] = time.time() - t0
-    print(f"generate: {gen.generated:,} conversations, {gen.rejected:,} rejected, "
-          f"{gen.completion_tokens:,} completion tokens this run -> {out / 'generate'}")
+    gen_manifest = _json(out / "generate" / "manifest.json") or {}
     gen_stats = compute_stats(out / "generate")
     print(format_stats(gen_stats))
 
@@ -69,17 +132,27 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
     from eagle_ray.store.reader import verify_store
 
     t0 = time.time()
+    # run_extract is itself the completion check: it skips committed samples and starts no
+    # Ray work when none is left.
     ext = run_extract(recipe, out / "generate", out / "store")
+    if ext.extracted:
+        ran.append("extract")
     timings["extract"] = time.time() - t0
     check = verify_store(out / "store")
-    print(f"extract: {ext.extracted:,} samples, {ext.tokens:,} tokens this run -> {out / 'store'}; "
-          f"store verify: {check['samples']:,} samples in {check['shards']:,} shards, "
+    print(f"extract: {ext.extracted:,} samples, {ext.tokens:,} tokens this run "
+          f"({ext.skipped_done:,} already in the store) -> {out / 'store'}; store verify: "
+          f"{check['samples']:,} samples in {check['shards']:,} shards, "
           f"{'OK' if check['ok'] else 'PROBLEMS: ' + str(check['problems'][:3])}")
 
     from eagle_ray.train.run import run_train
 
     t0 = time.time()
-    train = run_train(recipe, out / "store", out / "train")
+    if not ran and train_complete(out / "train", recipe.train.max_steps) is not None:
+        _skip("train", out / "train")
+        train = _last_metrics(out / "train")
+    else:
+        train = run_train(recipe, out / "store", out / "train")
+        ran.append("train")
     timings["train"] = time.time() - t0
     print(f"train: step {train.get('step')}, held-out step-0 accuracy "
           f"{train.get('val/acc_step0', float('nan')):.3f}, step-1 "
@@ -90,30 +163,47 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
     from eagle_ray.export.drafter import export_drafter
 
     t0 = time.time()
-    drafter = export_drafter(out / "train", out / "drafter")
-    chk = run_check(recipe, drafter, out / "store")
-    if not chk.ok:
-        raise ValueError("check failed: " + "; ".join(chk.problems))
+    drafter = out / "drafter"
+    if not ran and (drafter / "config.json").exists():
+        _skip("export", drafter)
+    else:
+        drafter = export_drafter(out / "train", drafter)
+        ran.append("export")
+    chk_details = (_json(out / CHECK_FILE) or {}) if not ran else {}
+    if chk_details.get("ok"):
+        _skip("check", out / CHECK_FILE)
+    else:
+        chk = run_check(recipe, drafter, out / "store")
+        if not chk.ok:
+            raise ValueError("check failed: " + "; ".join(chk.problems))
+        chk_details = {"ok": True, **chk.details}
+        atomic_write_json(out / CHECK_FILE, chk_details)
+        ran.append("check")
     print(f"export + check: {drafter} loads in vLLM and receives the trained features "
-          f"(max |diff| {chk.details['max_abs_diff']:.3g} over {chk.details['tokens_compared']} tokens)")
-    ev = run_evaluate(recipe, drafter, out / "ingest", out / "evaluate")
+          f"(max |diff| {chk_details['max_abs_diff']:.3g} over {chk_details['tokens_compared']} tokens)")
+    ev = _json(out / "evaluate" / "report.json") if not ran else None
+    if ev is not None:
+        _skip("evaluate", out / "evaluate")
+    else:
+        ev = run_evaluate(recipe, drafter, out / "ingest", out / "evaluate")
+        ran.append("evaluate")
     timings["export_check_evaluate"] = time.time() - t0
     print(f"evaluate: mean acceptance length offline {ev['offline']['mean_acceptance_length']:.2f}, "
           f"online {ev['online']['mean_acceptance_length']:.2f}, untrained "
           f"{ev['untrained']['mean_acceptance_length']:.2f}, n-gram {ev['ngram']['mean_acceptance_length']:.2f}; "
           f"outputs identical {ev['outputs_identical']} -> {out / 'evaluate' / 'report.md'}")
 
-    summary = {"recipe": recipe.to_dict(), "target_dir": str(target_dir),
-               "ingest": {k: getattr(res, k) for k in
-                          ("lines_read", "accepted", "duplicates", "rejected", "sampled_out")},
-               "stats": stats, "plan": plan.to_dict(),
-               "generate": {"generated": gen.generated, "rejected": gen.rejected},
-               "generate_stats": gen_stats,
-               "extract": {"extracted": ext.extracted, "tokens": ext.tokens},
-               "store_verify": check, "train": train, "check": chk.details,
+    summary = {"status": "finished", "steps_run": ran,
+               "recipe": recipe.to_dict(), "target_dir": str(target_dir),
+               "ingest": counts, "stats": stats, "plan": plan.to_dict(),
+               "generate": gen_manifest.get("counts"), "generate_stats": gen_stats,
+               "extract": {"extracted_this_run": ext.extracted, "tokens_this_run": ext.tokens,
+                           "samples": check["samples"]},
+               "store_verify": check, "train": train, "check": chk_details,
                "evaluate": {k: ev[k] for k in ("offline", "online", "untrained", "ngram",
                                                "outputs_identical")},
                "timings_s": timings}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    print(f"summary: {out / 'summary.json'}")
+    atomic_write_json(out / SUMMARY_FILE, json.loads(json.dumps(summary, default=str)))
+    print("\n" + (out / "evaluate" / "report.md").read_text())
+    print(f"summary: {out / SUMMARY_FILE} (steps run this time: {', '.join(ran) or 'none'})")
     return summary
