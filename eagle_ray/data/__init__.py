@@ -1,1 +1,1 @@
-"""Data preparation: ingestion of conversation logs (see ingest.py)."""
+"""Data preparation: ingestion of conversation logs (see ingest.py; formats.py, validate.py, mix.py)."""

@@ -1,10 +1,9 @@
 """Conversation-log ingestion: JSONL chat logs -> deduplicated, mixed ``prompts.parquet``.
 
-Accepted line formats (one JSON object per line; other top-level keys are ignored):
-
-* OpenAI:   ``{"messages": [{"role": ..., "content": ..., "reasoning_content": ...}, ...]}``
-* ShareGPT: ``{"conversations": [{"from": ..., "value": ...}, ...]}``
-* Plain:    ``{"prompt": ..., "response"|"completion": ...}``
+Accepted line formats are described in formats.py (OpenAI messages, ShareGPT, plain
+prompt/response); line-level checks and reject reason codes in validate.py; source
+specs (PATH, PATH:COUNT, PATH:FRACTION) and the seeded mix in mix.py. This module reads
+the sources, dedupes, applies the mix and writes the outputs.
 
 Every line read ends up in exactly one bucket -- accepted, duplicate, rejected or
 sampled out -- and each bucket except "accepted" has its own JSONL file, so nothing
@@ -17,11 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
-import random
-import re
-import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,12 +25,24 @@ from typing import Any, BinaryIO, Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eagle_ray.data.formats import _Reject, _canon_encode, _parse, _tname, canonical_json
+from eagle_ray.data.mix import SourceSpec, _check_sources, _selection, _shuffle_mix
+from eagle_ray.data.validate import (
+    _BOM,
+    COUNTERS,
+    INVARIANT,
+    _check_invariant,
+    _json_error,
+    _strip_eol,
+)
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "SourceSpec",
     "IngestResult",
     "ingest",
+    "canonical_json",
     "PROMPTS_SCHEMA",
     "PROMPTS_FILE",
     "REJECTS_FILE",
@@ -43,6 +50,7 @@ __all__ = [
     "SAMPLED_OUT_FILE",
     "REPORT_FILE",
 ]
+
 
 PROMPTS_FILE = "prompts.parquet"
 REJECTS_FILE = "rejects.jsonl"
@@ -62,96 +70,10 @@ PROMPTS_SCHEMA = pa.schema(
     ]
 )
 
-COUNTERS = ("lines_read", "accepted", "duplicates", "rejected", "sampled_out")
-INVARIANT = "accepted + duplicates + rejected + sampled_out == lines_read"
-
 # Module-level so tests can shrink them; not part of the stable API.
 PROGRESS_EVERY = 100_000
 RAW_MAX_BYTES = 64 << 10
 _SKIP_CHUNK = 1 << 20
-_BOM = b"\xef\xbb\xbf"
-
-_SPEC_HELP = (
-    "use PATH (all samples), PATH:COUNT with an integer COUNT >= 1 (e.g. data.jsonl:1000) "
-    "or PATH:FRACTION with 0 < FRACTION <= 1 (e.g. data.jsonl:0.25)"
-)
-_INT_RE = re.compile(r"[+-]?\d+")
-# Deliberately narrower than float(): "inf"/"nan" suffixes stay part of the path.
-_FLOAT_RE = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+)(?:[eE][+-]?\d+)?|[+-]?\d+[eE][+-]?\d+")
-
-
-# --------------------------------------------------------------------------- specs
-
-
-@dataclass(frozen=True, kw_only=True)
-class SourceSpec:
-    """One input file plus how much of it goes into the mix (all, a count or a fraction)."""
-
-    path: str
-    count: int | None = None
-    fraction: float | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.path, str) or not self.path:
-            raise ValueError(f"source path must be a non-empty string, got {self.path!r}")
-        if self.count is not None and self.fraction is not None:
-            raise ValueError(f"source {self.path!r}: give count or fraction, not both")
-        if self.count is not None:
-            if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
-                raise ValueError(
-                    f"source {self.path!r}: count must be an integer >= 1, got {self.count!r}; "
-                    + _SPEC_HELP
-                )
-        if self.fraction is not None:
-            f = self.fraction
-            if (
-                isinstance(f, bool)
-                or not isinstance(f, (int, float))
-                or not math.isfinite(f)
-                or not 0 < f <= 1
-            ):
-                raise ValueError(
-                    f"source {self.path!r}: fraction must be in (0, 1], got {f!r}; "
-                    "weights above 1 would duplicate samples, which dedupe would remove; "
-                    "use a count instead. " + _SPEC_HELP
-                )
-
-    @classmethod
-    def parse(cls, text: str) -> "SourceSpec":
-        """Parse ``PATH``, ``PATH:COUNT`` or ``PATH:FRACTION``.
-
-        Only a numeric suffix is a spec, so paths containing ':' still work.
-        ``PATH:1`` is a count of one; write ``PATH:1.0`` for "all as a fraction".
-        """
-        if not isinstance(text, str) or not text:
-            raise ValueError(f"empty source spec; {_SPEC_HELP}")
-        head, sep, tail = text.rpartition(":")
-        if sep and (_INT_RE.fullmatch(tail) or _FLOAT_RE.fullmatch(tail)):
-            if not head:
-                raise ValueError(f"source spec {text!r} has no path; {_SPEC_HELP}")
-            if _INT_RE.fullmatch(tail):
-                n = int(tail)
-                if n < 1:
-                    raise ValueError(
-                        f"source spec {text!r}: count must be >= 1, got {n}; {_SPEC_HELP}"
-                    )
-                return cls(path=head, count=n)
-            x = float(tail)
-            if not 0 < x <= 1:
-                raise ValueError(
-                    f"source spec {text!r}: fraction must be in (0, 1], got {tail}; "
-                    "weights above 1 would duplicate samples, which dedupe would remove; "
-                    f"use a count instead. {_SPEC_HELP}"
-                )
-            return cls(path=head, fraction=x)
-        return cls(path=text)
-
-    def describe(self) -> str:
-        if self.count is not None:
-            return f"{self.path}:{self.count}"
-        if self.fraction is not None:
-            return f"{self.path}:{self.fraction:g}"
-        return self.path
 
 
 @dataclass(kw_only=True)
@@ -187,217 +109,6 @@ class IngestResult:
 
     def counters(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in COUNTERS}
-
-
-# --------------------------------------------------------------------------- parsing
-
-
-class _Reject(Exception):
-    """A line failed validation; ``code`` is the stable reason code."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-_ROLE_OPENAI = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-_ROLE_SHAREGPT = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-}
-
-
-def _tname(x: Any) -> str:
-    return "null" if x is None else type(x).__name__
-
-
-def _short(x: Any) -> str:
-    r = repr(x)
-    return r if len(r) <= 40 else r[:37] + "..."
-
-
-def _join_parts(content: Any, where: str) -> str:
-    if type(content) is not list:
-        raise _Reject(
-            "bad_type", f"{where}.content must be a string or a list of text parts, got {_tname(content)}"
-        )
-    texts = []
-    for j, part in enumerate(content):
-        if type(part) is not dict:
-            raise _Reject("bad_type", f"{where}.content[{j}] must be an object, got {_tname(part)}")
-        ptype = part.get("type")
-        if ptype != "text":
-            raise _Reject(
-                "non_text_part",
-                f"{where}.content[{j}] has type {_short(ptype)}; only text parts are supported",
-            )
-        text = part.get("text")
-        if type(text) is not str:
-            raise _Reject("bad_type", f"{where}.content[{j}].text must be a string, got {_tname(text)}")
-        texts.append(text)
-    return "".join(texts)
-
-
-def _from_openai(raw: Any) -> list[dict[str, str]]:
-    if type(raw) is not list:
-        raise _Reject("bad_type", f'"messages" must be a list, got {_tname(raw)}')
-    out = []
-    for i, m in enumerate(raw):
-        if type(m) is not dict:
-            raise _Reject("bad_type", f"messages[{i}] must be an object, got {_tname(m)}")
-        role = m.get("role")
-        if type(role) is not str:
-            raise _Reject("bad_type", f"messages[{i}].role must be a string, got {_tname(role)}")
-        r = _ROLE_OPENAI.get(role)
-        if r is None:
-            raise _Reject(
-                "unknown_role",
-                f"messages[{i}].role {_short(role)} is not one of system, developer, user, assistant",
-            )
-        content = m.get("content")
-        if type(content) is not str:
-            content = _join_parts(content, f"messages[{i}]")
-        # isspace() stops at the first non-space char; strip() would copy the whole string.
-        if not content or content.isspace():
-            raise _Reject("empty_content", f"messages[{i}] ({r}) has empty content")
-        msg = {"role": r, "content": content}
-        rc = m.get("reasoning_content")
-        if rc is not None:  # null is common in exported logs; treat it as absent
-            if type(rc) is not str:
-                raise _Reject(
-                    "bad_type", f"messages[{i}].reasoning_content must be a string, got {_tname(rc)}"
-                )
-            if rc and not rc.isspace():
-                if r != "assistant":
-                    raise _Reject(
-                        "bad_type", f"messages[{i}] ({r}) has reasoning_content; only assistant messages may"
-                    )
-                msg["reasoning_content"] = rc
-        out.append(msg)
-    return out
-
-
-def _from_sharegpt(raw: Any) -> list[dict[str, str]]:
-    if type(raw) is not list:
-        raise _Reject("bad_type", f'"conversations" must be a list, got {_tname(raw)}')
-    out = []
-    for i, t in enumerate(raw):
-        if type(t) is not dict:
-            raise _Reject("bad_type", f"conversations[{i}] must be an object, got {_tname(t)}")
-        frm = t.get("from")
-        if type(frm) is not str:
-            raise _Reject("bad_type", f'conversations[{i}]["from"] must be a string, got {_tname(frm)}')
-        r = _ROLE_SHAREGPT.get(frm) or _ROLE_SHAREGPT.get(frm.lower())
-        if r is None:
-            raise _Reject(
-                "unknown_role",
-                f'conversations[{i}]["from"] {_short(frm)} is not one of human, user, gpt, '
-                "assistant, chatgpt, system",
-            )
-        value = t.get("value")
-        if type(value) is not str:
-            raise _Reject("bad_type", f"conversations[{i}].value must be a string, got {_tname(value)}")
-        if not value or value.isspace():
-            raise _Reject("empty_content", f"conversations[{i}] ({r}) has empty value")
-        out.append({"role": r, "content": value})
-    return out
-
-
-def _from_plain(obj: dict) -> list[dict[str, str]]:
-    prompt = obj["prompt"]
-    if type(prompt) is not str:
-        raise _Reject("bad_type", f'"prompt" must be a string, got {_tname(prompt)}')
-    if not prompt or prompt.isspace():
-        raise _Reject("empty_content", '"prompt" is empty')
-    out = [{"role": "user", "content": prompt}]
-    key = "response"
-    resp = obj.get(key)
-    if resp is None:
-        key = "completion"
-        resp = obj.get(key)
-    if resp is not None:
-        if type(resp) is not str:
-            raise _Reject("bad_type", f'"{key}" must be a string, got {_tname(resp)}')
-        if not resp or resp.isspace():
-            raise _Reject("empty_content", f'"{key}" is empty')
-        out.append({"role": "assistant", "content": resp})
-    return out
-
-
-def _split(msgs: list[dict[str, str]]) -> tuple[list[dict[str, str]], dict[str, str] | None]:
-    """Check turn order; return (prompt up to the last user turn, reference or None)."""
-    n = len(msgs)
-    if n == 0:
-        raise _Reject("no_user_turn", "conversation has no messages")
-    start = 1 if msgs[0]["role"] == "system" else 0
-    expect = "user"
-    last_user = -1
-    for i in range(start, n):
-        r = msgs[i]["role"]
-        if r != expect:
-            if not any(m["role"] == "user" for m in msgs):
-                raise _Reject("no_user_turn", "conversation has no user message")
-            if r == "system":
-                raise _Reject(
-                    "bad_order", f"system message at position {i}; only one is allowed, at position 0"
-                )
-            raise _Reject(
-                "bad_order",
-                f"message {i} is {r} but {expect} was expected "
-                "(after an optional system message, turns alternate user/assistant starting with user)",
-            )
-        if r == "user":
-            last_user = i
-            expect = "assistant"
-        else:
-            expect = "user"
-    if last_user < 0:
-        raise _Reject("no_user_turn", "conversation has no user message")
-    # Strict alternation means at most one assistant message follows the last user turn.
-    ref = msgs[last_user + 1] if last_user + 1 < n else None
-    return msgs[: last_user + 1], ref
-
-
-def _parse(obj: Any) -> tuple[list[dict[str, str]], dict[str, str] | None, str]:
-    if type(obj) is not dict:
-        raise _Reject("not_an_object", f"line is a JSON {_tname(obj)}, not an object")
-    # Fixed priority when several keys are present: messages > conversations > prompt.
-    if "messages" in obj:
-        msgs, fmt = _from_openai(obj["messages"]), "openai"
-    elif "conversations" in obj:
-        msgs, fmt = _from_sharegpt(obj["conversations"]), "sharegpt"
-    elif "prompt" in obj:
-        msgs, fmt = _from_plain(obj), "plain"
-    else:
-        keys = ", ".join(sorted(map(str, obj))[:8])
-        raise _Reject(
-            "unknown_format",
-            f'no "messages", "conversations" or "prompt" key (keys: {keys or "none"})',
-        )
-    prompt, ref = _split(msgs)
-    return prompt, ref, fmt
-
-
-# Same output as json.dumps(..., sort_keys=True, ensure_ascii=False, separators=(",", ":")),
-# but built once instead of per call.
-_canon_encode = json.JSONEncoder(
-    sort_keys=True, ensure_ascii=False, separators=(",", ":"), check_circular=False
-).encode
-
-
-def canonical_json(prompt: list[dict[str, str]], reference: dict[str, str] | None) -> str:
-    """The string hashed for dedupe and ids (exposed for tests and other tools)."""
-    return _canon_encode({"messages": prompt, "reference": reference})
-
-
-def _derive_seed(seed: int, *parts: str) -> int:
-    h = hashlib.sha256("\0".join([str(seed), *parts]).encode("utf-8")).digest()
-    return int.from_bytes(h[:8], "big")
 
 
 # --------------------------------------------------------------------------- output files
@@ -448,39 +159,6 @@ def _fsync_dir(path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- ingest
-
-
-def _check_sources(sources: list[SourceSpec]) -> list[int]:
-    """Validate all sources up front (so nothing is written on a bad path); return sizes."""
-    if not sources:
-        raise ValueError("no sources given")
-    seen: dict[str, str] = {}
-    sizes = []
-    for spec in sources:
-        if not isinstance(spec, SourceSpec):
-            raise TypeError(f"sources must be SourceSpec objects, got {_tname(spec)}")
-        p = spec.path
-        try:
-            st = os.stat(p)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"source file not found: {p}") from None
-        except OSError as e:
-            raise ValueError(f"cannot access source {p}: {e.strerror or e}") from e
-        if stat.S_ISDIR(st.st_mode):
-            raise ValueError(f"source {p} is a directory; give a JSONL file")
-        real = os.path.realpath(p)
-        if real in seen:
-            raise ValueError(
-                f"source {p} is given twice (also as {seen[real]}); its samples would all be duplicates"
-            )
-        seen[real] = p
-        try:
-            with open(p, "rb"):
-                pass
-        except OSError as e:
-            raise ValueError(f"cannot read source {p}: {e.strerror or e}") from e
-        sizes.append(st.st_size)
-    return sizes
 
 
 class _Ingestor:
@@ -696,23 +374,15 @@ class _Ingestor:
         for si, spec in enumerate(self.sources):
             lo, hi = self.ranges[si]
             n = hi - lo
-            if spec.count is not None:
-                k = min(spec.count, n)
-                if spec.count > n:
-                    shortfall[spec.path] = spec.count - n
-                    self._say(
-                        f"source {spec.path}: asked for {spec.count} samples but only {n} were "
-                        f"accepted after dedupe; taking all {n} (short by {spec.count - n})",
-                        warn=True,
-                    )
-            elif spec.fraction is not None:
-                k = min(n, round(spec.fraction * n))
-            else:
-                k = n
-            derived = _derive_seed(self.seed, "source", spec.path)
-            if k < n:
-                # Per-source seed from (seed, path): adding a source leaves this selection alone.
-                chosen = sorted(random.Random(derived).sample(range(n), k))
+            if spec.count is not None and spec.count > n:
+                shortfall[spec.path] = spec.count - n
+                self._say(
+                    f"source {spec.path}: asked for {spec.count} samples but only {n} were "
+                    f"accepted after dedupe; taking all {n} (short by {spec.count - n})",
+                    warn=True,
+                )
+            k, chosen, derived = _selection(spec, n, self.seed)
+            if chosen is not None:
                 chosen_set = set(chosen)
                 keep.extend(lo + j for j in chosen)
                 for j in range(n):
@@ -727,7 +397,7 @@ class _Ingestor:
             self.per_source[spec.path]["accepted"] = k
             info.append({"available": n, "selected": k, "shortfall": shortfall.get(spec.path, 0),
                          "derived_seed": derived})
-        random.Random(_derive_seed(self.seed, "mix")).shuffle(keep)
+        _shuffle_mix(keep, self.seed)
         return keep, shortfall, info
 
     def build_table(self, keep: list[int]) -> pa.Table:
@@ -749,36 +419,6 @@ class _Ingestor:
             ],
             schema=PROMPTS_SCHEMA,
         )
-
-
-def _json_error(text: str, err: Exception) -> str:
-    """Error text for a bad line; re-parsed without the newline, which the hot path keeps
-    (an unterminated string would otherwise be reported as a bad control character)."""
-    if isinstance(err, RecursionError):
-        return "JSON nested too deeply"
-    try:
-        json.loads(text.rstrip("\r\n"))
-    except RecursionError:
-        return "JSON nested too deeply"
-    except ValueError as e:
-        err = e
-    return str(err)[:200]
-
-
-def _strip_eol(b: bytes) -> bytes:
-    if b.endswith(b"\n"):
-        b = b[:-1]
-        if b.endswith(b"\r"):
-            b = b[:-1]
-    return b
-
-
-def _check_invariant(name: str, c: dict[str, int]) -> None:
-    total = c["accepted"] + c["duplicates"] + c["rejected"] + c["sampled_out"]
-    if total != c["lines_read"]:
-        # Explicit raise rather than `assert`, which python -O would strip.
-        raise AssertionError(f"{name}: {INVARIANT} violated: {total} != {c['lines_read']} ({c})")
-
 
 def ingest(
     sources: list[SourceSpec],
