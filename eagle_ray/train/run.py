@@ -98,7 +98,7 @@ def run_train(recipe: Recipe, store_dir: str | Path, run_dir: str | Path) -> dic
 def _train_on_whole_store(recipe: Recipe, store_dir: str | Path, run: Path) -> dict[str, Any]:
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from eagle_ray.errors import user_fault
     from eagle_ray.train.checkpoint import newest_loadable
@@ -130,7 +130,7 @@ def _train_on_whole_store(recipe: Recipe, store_dir: str | Path, run: Path) -> d
            "train": {**asdict(t), "use_gpu": use_gpu, "ttt_steps": recipe.drafter.ttt_steps},
            "threads_per_worker": max(1, int(t.cpus_per_worker))}
     resources = {"CPU": t.cpus_per_worker} | ({"GPU": 1} if use_gpu else {})
-    trainer = TorchTrainer(
+    trainer = _trainer_class()(
         train_loop_per_worker, train_loop_config=cfg,
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=t.num_workers, use_gpu=use_gpu,
@@ -146,6 +146,27 @@ def _train_on_whole_store(recipe: Recipe, store_dir: str | Path, run: Path) -> d
         raise fault from e
     lines = (run / "metrics.jsonl").read_text().splitlines()
     return json.loads(lines[-1]) if lines else {}
+
+
+def _trainer_class():
+    """TorchTrainer without Ray Train 2.60's PlacementGroupCleaner.
+
+    The cleaner (a detached actor) polls the state API for the controller and removes the
+    run's placement group when the answer lacks it. On a loaded machine with no dashboard
+    (tests, CI) the state API fails for a while and then answers without the controller
+    actor: the cleaner decided a live controller was dead and removed the placement group of
+    a running training, killing every worker mid-step (seen here at step 40 of 150). The run's
+    placement group is owned by the job and removed when the job ends, which is the cleanup
+    we rely on instead. Checked against ray==2.60.0 (`DataParallelTrainer._create_default_callbacks`).
+    """
+    from ray.train.torch import TorchTrainer
+
+    class EagleRayTrainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            return [c for c in super()._create_default_callbacks()
+                    if type(c).__name__ != "PlacementGroupCleanerCallback"]
+
+    return EagleRayTrainer
 
 
 def _check_ids_in_store(store_dir: str | Path, info: dict) -> None:
