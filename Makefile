@@ -7,7 +7,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	.venv/bin/python -m jobs.end_to_end --out out/demo
+	.venv/bin/python -m eagle_ray.demo --out out/demo
 
 test: setup
 	.venv/bin/python -m pytest -q tests
