@@ -1,7 +1,7 @@
 """`make demo`: the end-to-end job on the tiny CPU target, submitted with `ray job submit`.
 
 Starts a local Ray head from this environment (dashboard on 127.0.0.1) unless RAY_ADDRESS
-names a cluster, submits jobs/end_to_end.py, prints the dashboard address, follows the job's
+names a cluster (its job-submission address, e.g. http://HEAD:8265, as `ray job submit` takes), submits jobs/end_to_end.py, prints the dashboard address, follows the job's
 logs, prints the evaluation table and stops only the head it started. Submitting again with
 the same --out resumes a stopped or failed job (finished steps are skipped).
 """
@@ -44,8 +44,9 @@ def main(argv=None) -> int:
         try:
             launch.ray_job(["logs", "--follow", sid], address)
         except KeyboardInterrupt:
-            print(f"\ndemo: stopped following; the job goes on: `ray job logs {sid} --address {address}`")
-            head = None  # leave the head running for it
+            print(f"\ndemo: stopped following; the job goes on: `ray job logs {sid} --address {address}`"
+                  + (f"; stop its Ray head with `kill -- -{head.pgid}`" if head else ""))
+            head = None  # leave the head running for the job
             return 130
         st = launch.wait(address, sid)
         print(f"demo: job {sid} {st} in {time.time() - t0:.0f} s; outputs in {out}")
