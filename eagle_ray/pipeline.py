@@ -124,7 +124,7 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
               f"({gen.skipped_done:,} done before this run), {gen.completion_tokens:,} completion "
               f"tokens this run -> {out / 'generate'}")
     timings["generate"] = time.time() - t0
-    gen_manifest = _json(out / "generate" / "manifest.json") or {}
+    gen_counts = (_json(out / "generate" / "manifest.json") or {}).get("counts", {})
     gen_stats = compute_stats(out / "generate")
     print(format_stats(gen_stats))
 
@@ -196,8 +196,11 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
     summary = {"status": "finished", "steps_run": ran,
                "recipe": recipe.to_dict(), "target_dir": str(target_dir),
                "ingest": counts, "stats": stats, "plan": plan.to_dict(),
-               "generate": gen_manifest.get("counts"), "generate_stats": gen_stats,
-               "extract": {"extracted_this_run": ext.extracted, "tokens_this_run": ext.tokens,
+               "generate": {"generated": gen_counts.get("ok"), "rejected": gen_counts.get("rejected"),
+                            "pending": gen_counts.get("pending")},
+               "generate_stats": gen_stats,
+               # this run's work (0 when the store was already complete) and the store's size
+               "extract": {"extracted": ext.extracted, "tokens": ext.tokens,
                            "samples": check["samples"]},
                "store_verify": check, "train": train, "check": chk_details,
                "evaluate": {k: ev[k] for k in ("offline", "online", "untrained", "ngram",
