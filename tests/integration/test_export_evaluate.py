@@ -170,3 +170,42 @@ def test_runtime_check_reaches_the_drafter_with_tensor_parallel_2(trained, monke
     res = runtime_check(d / "drafter", tdir, HiddenStateStore(d / "store"), kw)
     assert res.ok, res.problems
     assert res.details["workers"] == 2 and res.details["fed_shape"][1] == 3 * 128
+
+
+def test_full_vocab_export_has_no_d2t_served_dtype_and_loads_in_vllm(trained, tmp_path):
+    """draft_vocab_size == vocab_size: the export carries no d2t/t2d (vLLM builds no
+    draft_id_to_target_id then, and refuses a checkpoint with one); weights are in the served
+    dtype (bf16 here, from engine.dtype); vLLM serves it losslessly."""
+    import gc
+
+    from safetensors import safe_open
+    from vllm import LLM, SamplingParams
+
+    from eagle_ray.config import resolve_target_path
+    from eagle_ray.engine import engine_kwargs
+    from eagle_ray.export.drafter import export_drafter, read_drafter_config
+    from eagle_ray.train.run import prepare_run
+
+    d, _ = trained
+    r = load_recipe("tiny_cpu", BASE + ["drafter.draft_vocab_size=1024", "engine.dtype=bfloat16"])
+    prepare_run(r, d / "store", tmp_path / "run")
+    drafter = export_drafter(tmp_path / "run", tmp_path / "drafter", untrained=True)
+    with safe_open(str(drafter / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("fc.weight").dtype.is_floating_point
+        assert str(f.get_tensor("fc.weight").dtype) == "torch.bfloat16"
+    assert "d2t" not in names and "t2d" not in names and "lm_head.weight" in names
+    cfg = read_drafter_config(drafter)
+    assert cfg["draft_vocab_size"] == cfg["vocab_size"] == 1024 and cfg["torch_dtype"] == "bfloat16"
+    tdir = resolve_target_path(r.target)
+    prompts = [{"prompt_token_ids": list(range(5, 25))}, {"prompt_token_ids": list(range(40, 52))}]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    outs = []
+    for spec in (None, {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 2}):
+        llm = LLM(**engine_kwargs(r, str(tdir)), speculative_config=spec)
+        try:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        finally:
+            del llm
+            gc.collect()
+    assert outs[0] == outs[1]
