@@ -245,8 +245,14 @@ class ExtractConfig:
     gpus_per_replica: int = 1
     """0 on the CPU recipe; tensor_parallel_size for the vllm backend on GPUs."""
     num_cpus_per_replica: float = 1.0
+    stream_bytes_in_flight: int = 256 << 20
+    """Streamed generate+extract: object store bytes Ray Data may hold between the generation
+    and extraction pools (its backpressure; the driver buffers nothing)."""
 
     def __post_init__(self) -> None:
+        if self.stream_bytes_in_flight < 1 << 20:
+            raise ValueError(f"extract.stream_bytes_in_flight={self.stream_bytes_in_flight}: need "
+                             ">= 1 MiB (the blocks of one batch must fit)")
         if self.backend not in EXTRACT_BACKENDS:
             raise ValueError(f"extract.backend={self.backend!r}; choose one of {', '.join(EXTRACT_BACKENDS)}")
         if not 1 <= self.min_replicas <= self.max_replicas:
