@@ -1,6 +1,6 @@
 """The end-to-end pipeline, step by step (the job in jobs/end_to_end.py calls this).
 
-    target -> ingest -> stats/plan -> generate -> extract -> train -> export -> check -> evaluate
+    target -> ingest -> stats/plan -> generate+extract -> train -> export -> check -> evaluate
     OUT/    ingest/              generate/   store/    train/  drafter/ check.json evaluate/
 
 Each step writes under OUT/ with the same code as its CLI command, and is skipped when its
@@ -10,6 +10,8 @@ output is already complete, so a failed or stopped job resumes when it is submit
   ingest    ingest/report.json (written last)                      re-run (deterministic ids)
   generate  generate/manifest.json: no prompt pending              resume: skip done samples
   extract   every conversation committed in store/index            resume: skip committed samples
+            (streamed in one Ray Data pipeline, eagle_ray/stream.py, when the target fits one
+            GPU per replica; staged, one after the other, for tensor-parallel targets)
   train     newest loadable checkpoint at train.max_steps          resume from that checkpoint
   export    drafter/ exported from that checkpoint                 export (atomic swap)
   check     check.json (ok) for that drafter                       check
@@ -112,37 +114,43 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
                            out_dir=out / "store")
     print(format_plan(plan))
 
+    from eagle_ray.extract.run import run_extract
     from eagle_ray.generate.run import run_generate
+    from eagle_ray.store.reader import committed_ids, verify_store
+    from eagle_ray.stream import run_generate_extract
 
     t0 = time.time()
-    if generate_complete(out / "generate", counts["accepted"]):
-        _skip("generate", out / "generate")
+    before = len(committed_ids(out / "store")) if (out / "store" / "manifest.json").exists() else 0
+    if recipe.target.tensor_parallel_size == 1:
+        # Streamed: one Ray Data pipeline, generation and extractor pools side by side. Both
+        # resume per sample and start no Ray work when nothing is left.
+        st = run_generate_extract(recipe, out / "ingest", out / "generate", out / "store")
+        n_gen, n_ext, n_tok, mode = st.generated, st.extracted, st.tokens, "streamed"
     else:
-        gen = run_generate(recipe, out / "ingest", out / "generate")
-        ran.append("generate")
-        print(f"generate: {gen.generated:,} conversations, {gen.rejected:,} rejected "
-              f"({gen.skipped_done:,} done before this run), {gen.completion_tokens:,} completion "
-              f"tokens this run -> {out / 'generate'}")
-    timings["generate"] = time.time() - t0
+        # A target that takes the whole node cannot have both pools at once (the colocated
+        # placement is not built yet): the staged commands, one after the other.
+        n_gen = 0
+        if not generate_complete(out / "generate", counts["accepted"]):
+            n_gen = run_generate(recipe, out / "ingest", out / "generate").generated
+        ext = run_extract(recipe, out / "generate", out / "store")
+        n_ext, n_tok, mode = ext.extracted, ext.tokens, "staged"
+    if n_gen or n_ext:
+        ran.append("generate+extract")
+    # One wall time for both steps when streamed.
+    timings["generate"] = timings["extract"] = timings["generate_extract"] = time.time() - t0
     gen_counts = (_json(out / "generate" / "manifest.json") or {}).get("counts", {})
+    check = verify_store(out / "store")
+    if not (n_gen or n_ext):
+        _skip("generate", out / "generate")
+        _skip("extract", out / "store")
+    print(f"generate+extract ({mode}): {n_gen:,} conversations generated, {n_ext:,} samples "
+          f"({n_tok:,} tokens) extracted this run ({before:,} already in the store); "
+          f"{gen_counts.get('ok', 0):,} conversations, {gen_counts.get('rejected', 0):,} rejected "
+          f"-> {out / 'generate'}; store verify: {check['samples']:,} samples in "
+          f"{check['shards']:,} shards, "
+          f"{'OK' if check['ok'] else 'PROBLEMS: ' + str(check['problems'][:3])}")
     gen_stats = compute_stats(out / "generate")
     print(format_stats(gen_stats))
-
-    from eagle_ray.extract.run import run_extract
-    from eagle_ray.store.reader import verify_store
-
-    t0 = time.time()
-    # run_extract is itself the completion check: it skips committed samples and starts no
-    # Ray work when none is left.
-    ext = run_extract(recipe, out / "generate", out / "store")
-    if ext.extracted:
-        ran.append("extract")
-    timings["extract"] = time.time() - t0
-    check = verify_store(out / "store")
-    print(f"extract: {ext.extracted:,} samples, {ext.tokens:,} tokens this run "
-          f"({ext.skipped_done:,} already in the store) -> {out / 'store'}; store verify: "
-          f"{check['samples']:,} samples in {check['shards']:,} shards, "
-          f"{'OK' if check['ok'] else 'PROBLEMS: ' + str(check['problems'][:3])}")
 
     from eagle_ray.train.run import run_train
 
@@ -200,7 +208,7 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
                             "pending": gen_counts.get("pending")},
                "generate_stats": gen_stats,
                # this run's work (0 when the store was already complete) and the store's size
-               "extract": {"extracted": ext.extracted, "tokens": ext.tokens,
+               "extract": {"extracted": n_ext, "tokens": n_tok,
                            "samples": check["samples"]},
                "store_verify": check, "train": train, "check": chk_details,
                "evaluate": {k: ev[k] for k in ("offline", "online", "untrained", "ngram",

@@ -75,12 +75,12 @@ def test_job_stopped_during_extraction_resumes_to_the_same_store(head, tmp_path)
     status = launch.wait(head.dashboard_url, sid2, 600)
     logs = _logs(head, sid2)
     assert status == "SUCCEEDED", logs[-5000:]
-    assert "ingest: complete" in logs and "generate: complete" in logs
+    assert "ingest: complete" in logs and "generate+extract (streamed)" in logs
     assert f"({committed:,} already in the store)" in logs
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["train"]["step"] == 4
     assert summary["evaluate"]["outputs_identical"] is True
-    assert (out / "evaluate" / "report.md").exists() and "extract" in summary["steps_run"]
+    assert (out / "evaluate" / "report.md").exists() and "generate+extract" in summary["steps_run"]
     print(f"first submission (stopped) {t_first:.0f}s, second {time.time() - t0 - t_first:.0f}s")
 
     # Reference: one uninterrupted extraction of the same conversations on the same cluster.
