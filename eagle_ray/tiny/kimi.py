@@ -221,7 +221,7 @@ def build_tiny_kimi(out_dir: str | Path, *, seed: int = 0, train_steps: int = 16
     import torch
     from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from eagle_ray.tiny.target import ensure_tiny_target
+    from eagle_ray.tiny.target import ensure_tiny_target, train_briefly
 
     t0 = time.time()
     out = Path(out_dir)
@@ -245,25 +245,8 @@ def build_tiny_kimi(out_dir: str | Path, *, seed: int = 0, train_steps: int = 16
             bias.copy_(0.05 * torch.randn(bias.shape, generator=gen))
 
     data = _training_stream(tok, seed)
-    n_windows = (len(data) - 1) // seq_len
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=train_steps,
-                                                pct_start=0.1)
-    model.train()
-    loss_val = float("nan")
-    for step in range(train_steps):
-        starts = torch.randint(0, n_windows, (batch_size,), generator=gen) * seq_len
-        batch = torch.stack([data[s:s + seq_len] for s in starts])
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        loss_val = loss.item()
-        if step % 50 == 0 or step == train_steps - 1:
-            logger.info("tiny kimi: step %d/%d loss %.3f", step + 1, train_steps, loss_val)
-    model.eval()
+    loss_val = train_briefly(model, data, gen, train_steps=train_steps, batch_size=batch_size,
+                             seq_len=seq_len, label="tiny kimi")
 
     state = model.state_dict()
     for name, t in state.items():  # the router's correction bias is float32 in the real one

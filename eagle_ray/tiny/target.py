@@ -77,6 +77,35 @@ def _hf_tokenizer(tok):
     return hf
 
 
+def train_briefly(model, data, gen, *, train_steps: int, batch_size: int, seq_len: int,
+                  label: str) -> float:
+    """Causal-LM training on random windows of one packed token stream (AdamW, one-cycle
+    schedule), enough for non-degenerate greedy text. Deterministic given `gen`. Returns the
+    last loss; leaves the model in eval mode. Shared by both tiny targets."""
+    import torch
+
+    n_windows = (len(data) - 1) // seq_len
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=train_steps,
+                                                pct_start=0.1)
+    model.train()
+    loss_val = float("nan")
+    for step in range(train_steps):
+        starts = torch.randint(0, n_windows, (batch_size,), generator=gen) * seq_len
+        batch = torch.stack([data[s:s + seq_len] for s in starts])
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss_val = loss.item()
+        if step % 50 == 0 or step == train_steps - 1:
+            logger.info("%s: step %d/%d loss %.3f", label, step + 1, train_steps, loss_val)
+    model.eval()
+    return loss_val
+
+
 def build_tiny_target(out_dir: str | Path, *, seed: int = 0, train_steps: int = 160,
                       batch_size: int = 16, seq_len: int = 128) -> dict:
     """Build the tiny target into out_dir (must not exist or be empty). Returns build stats."""
@@ -111,26 +140,9 @@ def build_tiny_target(out_dir: str | Path, *, seed: int = 0, train_steps: int = 
     texts = hf_tok.apply_chat_template(convs, tokenize=False)
     stream = [i for ids in hf_tok(texts, add_special_tokens=False)["input_ids"] for i in ids]
     data = torch.tensor(stream, dtype=torch.long)
-    n_windows = (len(data) - 1) // seq_len
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=train_steps,
-                                                pct_start=0.1)
-    model.train()
-    loss_val = float("nan")
-    for step in range(train_steps):
-        starts = torch.randint(0, n_windows, (batch_size,), generator=gen) * seq_len
-        batch = torch.stack([data[s:s + seq_len] for s in starts])
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        loss_val = loss.item()
-        if step % 50 == 0 or step == train_steps - 1:
-            logger.info("tiny target: step %d/%d loss %.3f", step + 1, train_steps, loss_val)
-    model.eval()
+    loss_val = train_briefly(model, data, gen, train_steps=train_steps, batch_size=batch_size,
+                             seq_len=seq_len, label="tiny target")
 
     model.save_pretrained(out, safe_serialization=True)
     hf_tok.save_pretrained(out)
