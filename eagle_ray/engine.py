@@ -47,7 +47,7 @@ def engine_kwargs(recipe: Recipe, model_path: str) -> dict[str, Any]:
     else:
         kw["gpu_memory_utilization"] = e.gpu_memory_utilization
     if t.tensor_parallel_size > 1:
-        kw["distributed_executor_backend"] = "ray"  # TP workers on the actor's placement group
+        kw["distributed_executor_backend"] = "ray"  # vLLM builds the TP placement group (pool_kwargs)
     if e.language_model_only:
         kw["language_model_only"] = True
     if e.attention_backend is not None:
