@@ -29,10 +29,14 @@ def tiny_store(d, n, tiny_target_dir):
     return d
 
 
-def test_a_store_too_small_for_one_step_is_refused_before_ray(tmp_path, tiny_target_dir):
-    import ray
-
+def test_a_store_too_small_for_one_step_is_refused_before_ray(tmp_path, tiny_target_dir, monkeypatch):
+    import eagle_ray.cluster
     from eagle_ray.train.run import run_train
+
+    def no_ray(*a, **k):
+        raise AssertionError("Ray was started before the store was found too small")
+
+    monkeypatch.setattr(eagle_ray.cluster, "init_ray", no_ray)
 
     store = tiny_store(tmp_path / "store", 4, tiny_target_dir)  # 3 train + 1 held out
     r = load_recipe("tiny_cpu", ["train.num_workers=2", "train.grad_accum=2",
@@ -43,4 +47,3 @@ def test_a_store_too_small_for_one_step_is_refused_before_ray(tmp_path, tiny_tar
     assert "not enough training data for one optimizer step" in msg
     assert "3 training samples" in msg and "2 x 2 = 4" in msg
     assert "--set train.num_workers=" in msg
-    assert not ray.is_initialized()  # refused by the driver, no worker ever started
