@@ -101,6 +101,7 @@ def atomic_write_parquet(path: str | Path, table) -> None:
 
 
 def fsync_dir(path: str | Path) -> None:
+    """fsync a directory (its entries: a rename into it is durable) or a file (its bytes)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

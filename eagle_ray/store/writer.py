@@ -140,7 +140,7 @@ class StoreWriter:
         try:
             save_file(tensors, str(shard_tmp), metadata={"schema_version": str(m.schema_version),
                                                          "dtype": m.dtype})
-            _fsync_file(shard_tmp)
+            fsync_dir(shard_tmp)  # the shard's bytes
             os.replace(shard_tmp, shard)
             fsync_dir(shard.parent)
             with open(part_tmp, "wb") as f:
@@ -163,11 +163,3 @@ class StoreWriter:
                     "`eagle-ray extract`: it resumes where it stopped") from e
             raise
         return table
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -43,14 +43,6 @@ def _hash(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoint directories (renamed into place), newest first."""
     d = Path(run_dir) / "checkpoints"
@@ -65,7 +57,7 @@ def commit_checkpoint(tmp: Path, final: Path, state: dict[str, Any]) -> Path:
     files = {}
     for p in sorted(tmp.rglob("*")):
         if p.is_file():
-            _fsync(p)
+            fsync_dir(p)  # the file's bytes
             files[str(p.relative_to(tmp))] = {"size": p.stat().st_size, "blake2b": _hash(p)}
     for d in sorted({p.parent for p in tmp.rglob("*")} | {tmp}):
         fsync_dir(d)
