@@ -73,7 +73,7 @@ def main() -> None:
     rows: list[dict] = []
     print(f"shapes: hidden {a.hidden}, {a.heads} heads x 64, MLP {a.mlp}, draft vocab "
           f"{a.draft_vocab}, ttt_steps {a.steps}, batch 1 (fp32, CPU)")
-    print(f"| impl | T | peak step memory (MiB) | peak / T (KiB per token) | fwd+bwd s |")
+    print("| impl | T | peak step memory (MiB) | peak / T (KiB per token) | fwd+bwd s |")
     print("|---|---|---|---|---|")
     for impl in a.impls:
         for T in a.T:

@@ -20,7 +20,6 @@ for targets that take the whole node); such recipes use the staged commands.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -65,8 +64,8 @@ def run_generate_extract(recipe: Recipe, prompts: str | Path, gen_dir: str | Pat
     import vllm
 
     from eagle_ray.extract.run import _check_target_shape, make_manifest
-    from eagle_ray.generate.run import (PARTS_DIR, _check_params, _done_ids, _read_prompts,
-                                        consolidate, generation_params)
+    from eagle_ray.generate.run import (PARTS_DIR, _check_params, _read_prompts, consolidate,
+                                        generation_params)
     from eagle_ray.outputs import check_output_dir, claim_output_dir
     from eagle_ray.store.lock import store_lock
     from eagle_ray.store.writer import open_or_create

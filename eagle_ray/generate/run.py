@@ -119,8 +119,6 @@ def _check_params(out: Path, params: dict) -> None:
 def run_generate(recipe: Recipe, prompts: str | Path, out_dir: str | Path, *,
                  limit: int | None = None) -> GenerateResult:
     """Generate conversations for every prompt not yet done in out_dir, then consolidate."""
-    import ray
-
     t0 = time.time()
     out = Path(out_dir)
     parts_dir = out / PARTS_DIR

@@ -1,4 +1,3 @@
-import dataclasses
 import errno
 
 import numpy as np
