@@ -229,6 +229,7 @@ class GenerateConfig:
 
 
 EXTRACT_BACKENDS = ("vllm", "hf")
+PLACEMENTS = ("separate", "colocated")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -248,8 +249,21 @@ class ExtractConfig:
     stream_bytes_in_flight: int = 256 << 20
     """Streamed generate+extract: object store bytes Ray Data may hold between the generation
     and extraction pools (its backpressure; the driver buffers nothing)."""
+    placement: str = "separate"
+    """Streamed generate+extract: "separate" pools (generation replicas and extractor
+    replicas side by side: targets that fit several times on a node) or "colocated" (one
+    engine per replica generates, then captures: targets that take the whole node; the
+    replicas use the generate.* bounds and resources). eagle_ray/stream.py, colocated.py."""
+    prefix_caching: bool = False
+    """vLLM prefix caching in the capture engine. Colocated: the capture prefill reuses the
+    blocks generation just computed (hidden-states cache blocks included)."""
 
     def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"extract.placement={self.placement!r}; choose one of {', '.join(PLACEMENTS)}")
+        if self.placement == "colocated" and self.backend != "vllm":
+            raise ValueError("extract.placement=colocated needs extract.backend=vllm (one vLLM "
+                             "engine generates and captures)")
         if self.stream_bytes_in_flight < 1 << 20:
             raise ValueError(f"extract.stream_bytes_in_flight={self.stream_bytes_in_flight}: need "
                              ">= 1 MiB (the blocks of one batch must fit)")
@@ -408,8 +422,9 @@ def kimi_k25_8gpu() -> Recipe:
                                 batch_size=64, gpus_per_replica=8),
         # Text only: EAGLE-3 drafts text; the vision tower is neither built nor loaded.
         engine=EngineConfig(language_model_only=True),
+        # The target takes the whole node: one engine per node generates, then captures.
         extract=ExtractConfig(backend="vllm", min_replicas=1, max_replicas=1, batch_size=4,
-                              gpus_per_replica=8),
+                              gpus_per_replica=8, placement="colocated", prefix_caching=True),
         # One 8K-token sequence per micro-batch per GPU, two accumulated (16K tokens per GPU
         # per step). bench/bench_ttt_memory.py extrapolates one 8K sequence of this drafter to
         # ~124 GB with fp32 activations (chunked TTT attention); two would not fit in 141 GB.

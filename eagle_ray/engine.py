@@ -106,6 +106,30 @@ class EngineLoop:
                         self.pending.pop(out.request_id).set_result(out)
 
 
+def run_requests(llm, requests: list) -> list:
+    """Run (prompt, SamplingParams) requests to completion on `llm`'s engine from this thread
+    (no EngineLoop): one result per request, in order, the `RequestOutput` or the exception
+    that refused it at submission (that row only). An engine failure while stepping raises.
+    For an engine that is also used by other calls between batches (the colocated stage's
+    capture engine), so only one thread ever steps it."""
+    engine = llm.llm_engine
+    results: list = [None] * len(requests)
+    ids: dict[str, int] = {}
+    for i, (prompt, params) in enumerate(requests):
+        rid = f"er-run-{id(results)}-{i}"
+        try:
+            engine.add_request(rid, prompt, params)
+        except Exception as e:
+            results[i] = e
+            continue
+        ids[rid] = i
+    while ids:
+        for out in engine.step():
+            if out.finished and out.request_id in ids:
+                results[ids.pop(out.request_id)] = out
+    return results
+
+
 def pool_kwargs(recipe: Recipe, *, min_size: int, max_size: int, gpus_per_replica: int,
                 batch_size: int, num_cpus: float, max_concurrency: int = 1) -> dict[str, Any]:
     """`Dataset.map_batches` arguments for a pool of engine replicas.

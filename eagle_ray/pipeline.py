@@ -10,8 +10,8 @@ output is already complete, so a failed or stopped job resumes when it is submit
   ingest    ingest/report.json (written last)                      re-run (deterministic ids)
   generate  generate/manifest.json: no prompt pending              resume: skip done samples
   extract   every conversation committed in store/index            resume: skip committed samples
-            (streamed in one Ray Data pipeline, eagle_ray/stream.py, when the target fits one
-            GPU per replica; staged, one after the other, for tensor-parallel targets)
+            (generate and extract stream in one Ray Data pipeline, eagle_ray/stream.py:
+            separate pools, or one colocated engine per replica for whole-node targets)
   train     newest loadable checkpoint at train.max_steps          resume from that checkpoint
   export    drafter/ exported from that checkpoint                 export (atomic swap)
   check     check.json (ok) for that drafter                       check
@@ -46,12 +46,6 @@ def _json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def generate_complete(gen_dir: Path, num_prompts: int) -> bool:
-    m = _json(gen_dir / "manifest.json")
-    return (m is not None and m.get("counts", {}).get("pending") == 0
-            and m["counts"].get("prompts") == num_prompts)
 
 
 def train_complete(run_dir: Path, max_steps: int) -> Path | None:
@@ -114,26 +108,17 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
                            out_dir=out / "store")
     print(format_plan(plan))
 
-    from eagle_ray.extract.run import run_extract
-    from eagle_ray.generate.run import run_generate
     from eagle_ray.store.reader import committed_ids, verify_store
     from eagle_ray.stream import run_generate_extract
 
     t0 = time.time()
     before = len(committed_ids(out / "store")) if (out / "store" / "manifest.json").exists() else 0
-    if recipe.target.tensor_parallel_size == 1:
-        # Streamed: one Ray Data pipeline, generation and extractor pools side by side. Both
-        # resume per sample and start no Ray work when nothing is left.
-        st = run_generate_extract(recipe, out / "ingest", out / "generate", out / "store")
-        n_gen, n_ext, n_tok, mode = st.generated, st.extracted, st.tokens, "streamed"
-    else:
-        # A target that takes the whole node cannot have both pools at once (the colocated
-        # placement is not built yet): the staged commands, one after the other.
-        n_gen = 0
-        if not generate_complete(out / "generate", counts["accepted"]):
-            n_gen = run_generate(recipe, out / "ingest", out / "generate").generated
-        ext = run_extract(recipe, out / "generate", out / "store")
-        n_ext, n_tok, mode = ext.extracted, ext.tokens, "staged"
+    # Streamed: one Ray Data pipeline; separate generation and extractor pools, or one
+    # colocated engine per replica for a target that takes the whole node (the recipe's
+    # extract.placement). Both resume per sample and start no Ray work when nothing is left.
+    st = run_generate_extract(recipe, out / "ingest", out / "generate", out / "store")
+    n_gen, n_ext, n_tok = st.generated, st.extracted, st.tokens
+    mode = f"streamed, {recipe.extract.placement}"
     if n_gen or n_ext:
         ran.append("generate+extract")
     # One wall time for both steps when streamed.

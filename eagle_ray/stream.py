@@ -1,4 +1,4 @@
-"""Generation piped into extraction in one Ray Data pipeline (separate pools).
+"""Generation piped into extraction in one Ray Data pipeline.
 
     prompts not yet generated ─▶ map_batches(GenerateUDF, generation pool)
         ─▶ map_batches(write_part): generate/parts/part-*.parquet (atomic), pass ok rows on
@@ -14,8 +14,9 @@ generated again, a committed sample is not extracted again; a killed run loses a
 batches in flight. The generated conversations are written before their features are
 committed, so a committed sample always has its conversation on disk.
 
-Not done here: the colocated placement (one engine per node that generates and captures,
-for targets that take the whole node); such recipes use the staged commands.
+Placement (`extract.placement`): "separate" pools as drawn above, or "colocated" for a
+target that takes the whole node: one pool of replicas whose one engine generates and then
+captures each batch (eagle_ray/colocated.py); same outputs, same resume rules.
 """
 
 from __future__ import annotations
@@ -130,17 +131,24 @@ def _stream(recipe: Recipe, table: pa.Table, parts_dir: Path, store: Path, model
     # pools; a slow extractor pool stalls generation instead of piling up blocks.
     ctx.execution_options.resource_limits = ExecutionResources(
         object_store_memory=recipe.extract.stream_bytes_in_flight)
-    streams = []
-    if todo.num_rows:
-        g = generation_dataset(recipe, todo, model_dir)
-        streams.append(g.map_batches(write_part, fn_kwargs={"parts_dir": str(parts_dir)},
-                                     batch_size=None, batch_format="pyarrow", num_cpus=0.1))
-    if n_left:
-        e = recipe.extract.batch_size
-        streams.insert(0, ray.data.from_arrow(
-            [leftover.slice(i, e) for i in range(0, n_left, e)]))
-    ds = streams[0] if len(streams) == 1 else streams[0].union(streams[1])
-    ds = extraction_dataset(recipe, ds, store, model_dir, manifest)
+    if recipe.extract.placement == "colocated":
+        from eagle_ray.colocated import colocated_dataset, colocated_input
+
+        # Rows already generated first: they only need the capture.
+        ds = colocated_dataset(recipe, colocated_input(todo, leftover), parts_dir, store,
+                               model_dir, manifest)
+    else:
+        streams = []
+        if todo.num_rows:
+            g = generation_dataset(recipe, todo, model_dir)
+            streams.append(g.map_batches(write_part, fn_kwargs={"parts_dir": str(parts_dir)},
+                                         batch_size=None, batch_format="pyarrow", num_cpus=0.1))
+        if n_left:
+            e = recipe.extract.batch_size
+            streams.insert(0, ray.data.from_arrow(
+                [leftover.slice(i, e) for i in range(0, n_left, e)]))
+        ds = streams[0] if len(streams) == 1 else streams[0].union(streams[1])
+        ds = extraction_dataset(recipe, ds, store, model_dir, manifest)
     n_ext = n_tok = 0
     last = t_start = time.time()
     for rows in ds.iter_batches(batch_format="pyarrow", batch_size=None):

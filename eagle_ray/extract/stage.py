@@ -57,16 +57,19 @@ def make_backend(recipe, model_path: str):
 
     kw = engine_kwargs(recipe, model_path)
     kw.pop("model")
+    kw["enable_prefix_caching"] = e.prefix_caching
     return VllmCapture(model_path, aux, kw)
 
 
 class ExtractUDF:
     """Ray Data actor: one backend (model loaded once) and one store writer per actor."""
 
-    def __init__(self, recipe, model_path: str, store_dir: str, manifest: StoreManifest):
+    def __init__(self, recipe, model_path: str, store_dir: str, manifest: StoreManifest,
+                 backend=None):
         self.recipe = recipe
         self.store_dir = store_dir
-        self.backend = make_backend(recipe, model_path)
+        # `backend`: an engine built by the caller (the colocated stage shares its own).
+        self.backend = backend if backend is not None else make_backend(recipe, model_path)
         self.writer = StoreWriter(store_dir, manifest)
         self._seen_parts: set[str] = set()
         self._done: set[str] = set()

@@ -47,6 +47,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 _WAIT_TIMEOUT_S = 600.0
+NO_CAPTURE_KEY = "eagle_ray_no_capture"
+
+
+def no_capture(params):
+    """`SamplingParams` for a request the capture engine should run WITHOUT saving its
+    states (generation in the colocated stage): the connector skips it (request_finished)."""
+    extra = dict(params.extra_args or {})
+    extra["kv_transfer_params"] = {**extra.get("kv_transfer_params", {}), NO_CAPTURE_KEY: True}
+    params.extra_args = extra
+    return params
 
 
 class _CopyDone:
@@ -74,6 +84,15 @@ class SyncHiddenStatesConnector(ExampleHiddenStatesConnector):
     """
 
     final_norm: torch.nn.Module | None = None  # set by CaptureWorkerExtension
+
+    def request_finished(self, request, block_ids):
+        """Scheduler side: a request sent with `NO_CAPTURE` (generation in the colocated
+        stage) frees its blocks at once and saves nothing; every other request as upstream."""
+        if (request.kv_transfer_params or {}).get(NO_CAPTURE_KEY):
+            self._request_filenames.pop(request.request_id, None)
+            self._pending_saves.pop(request.request_id, None)
+            return False, None
+        return super().request_finished(request, block_ids)
 
     def _submit_async_write(self, pending: PendingSave) -> None:  # name kept: parent calls it
         if not self._is_tp_rank_zero:

@@ -99,29 +99,26 @@ class _Base:
         return pa.Table.from_pylist(rows, schema=CONVERSATIONS_SCHEMA)
 
 
-class GenerateUDF(_Base):
-    """Regenerates the final assistant turn with the target in vLLM (one engine per actor)."""
+class _Regenerate(_Base):
+    """Prompt rows -> requests, and finished requests -> conversation rows; the engine that
+    runs the requests is the subclass's (GenerateUDF: a vLLM engine of its own; the colocated
+    stage: the capture engine, see eagle_ray/colocated.py)."""
 
-    def __init__(self, recipe, model_path: str):
-        super().__init__(recipe, model_path)
-        from vllm import LLM, SamplingParams
+    def _init_sampling(self, max_model_len: int) -> None:
+        from vllm import SamplingParams
 
-        from eagle_ray.engine import EngineLoop, engine_kwargs
-
-        self.llm = LLM(**engine_kwargs(recipe, model_path))
-        self.loop = EngineLoop(self.llm)
-        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
-        g = recipe.generate
+        self.max_model_len = max_model_len
+        g, seed = self.recipe.generate, self.recipe.engine.seed
         self._sampling = lambda max_tokens: SamplingParams(
             temperature=g.temperature, top_p=g.top_p, max_tokens=max_tokens,
-            seed=recipe.engine.seed, skip_special_tokens=False)
+            seed=seed, skip_special_tokens=False)
 
-    async def __call__(self, batch: pa.Table):
-        from vllm.inputs import TokensPrompt
-
-        g, max_seq_len = self.recipe.generate, self.recipe.data.max_seq_len
+    def _prepare(self, batch: pa.Table):
+        """(cols, rows rejected up front, [(row index, params, prompt ids, messages,
+        reasoning started in the prompt)] to run)."""
+        g = self.recipe.generate
         rows: dict[int, dict[str, Any]] = {}
-        todo: list[tuple[int, dict, list[int], list[dict], bool]] = []
+        todo: list[tuple[int, Any, list[int], list[dict], bool]] = []
         cols = {c: batch.column(c).to_pylist() for c in INPUT_COLUMNS}
         for i, (sid, src, messages_json) in enumerate(zip(cols["sample_id"], cols["source"],
                                                           cols["messages"])):
@@ -139,8 +136,11 @@ class GenerateUDF(_Base):
             params = self._sampling(min(g.max_tokens, room))
             started = text.rstrip().endswith(g.think_start)
             todo.append((i, params, ids, messages, started))
+        return cols, rows, todo
 
-        outputs = await self._generate([(TokensPrompt(prompt_token_ids=t[2]), t[1]) for t in todo])
+    def _finish(self, cols, rows, todo, outputs) -> pa.Table:
+        """Conversation rows, in input order; an engine error costs its row only."""
+        g, max_seq_len = self.recipe.generate, self.recipe.data.max_seq_len
         for (i, _, ids, messages, started), out in zip(todo, outputs):
             sid, src = cols["sample_id"][i], cols["source"][i]
             if isinstance(out, Exception):
@@ -159,7 +159,28 @@ class GenerateUDF(_Base):
                            completion_token_ids=completion, num_prompt_tokens=len(ids),
                            num_completion_tokens=len(completion),
                            **_window(len(ids), len(completion), max_seq_len))
-        yield self._table([rows[i] for i in range(len(cols["sample_id"]))])
+        return self._table([rows[i] for i in range(len(cols["sample_id"]))])
+
+
+class GenerateUDF(_Regenerate):
+    """Regenerates the final assistant turn with the target in vLLM (one engine per actor)."""
+
+    def __init__(self, recipe, model_path: str):
+        super().__init__(recipe, model_path)
+        from vllm import LLM
+
+        from eagle_ray.engine import EngineLoop, engine_kwargs
+
+        self.llm = LLM(**engine_kwargs(recipe, model_path))
+        self.loop = EngineLoop(self.llm)
+        self._init_sampling(self.llm.llm_engine.model_config.max_model_len)
+
+    async def __call__(self, batch: pa.Table):
+        from vllm.inputs import TokensPrompt
+
+        cols, rows, todo = self._prepare(batch)
+        outputs = await self._generate([(TokensPrompt(prompt_token_ids=t[2]), t[1]) for t in todo])
+        yield self._finish(cols, rows, todo, outputs)
 
     async def _generate(self, requests: list) -> list:
         """Submit the batch to the shared engine loop; a request the engine refuses costs

@@ -19,32 +19,47 @@ SETS = ["generate.max_tokens=24", "storage.dtype=fp32", "data.max_seq_len=96",
         "extract.batch_size=4", "generate.batch_size=4"]
 
 
-def test_streamed_equals_staged_and_resumes_both_stages(tmp_path, ray_cluster, tiny_target_dir):
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory, ray_cluster, tiny_target_dir):
+    """Prompts and the staged commands' reference outputs (generate, then extract)."""
+    from eagle_ray.extract.run import run_extract
+    from eagle_ray.generate.run import run_generate
+
+    d = tmp_path_factory.mktemp("staged")
+    (d / "in.jsonl").write_text(
+        "".join(json.dumps({"messages": c}) + "\n" for c in corpus.conversations(N, seed=5)))
+    ingest([SourceSpec.parse(str(d / "in.jsonl"))], d / "prompts")
+    r = load_recipe("tiny_cpu", SETS)
+    run_generate(r, d / "prompts", d / "gen")
+    run_extract(r, d / "gen", d / "store")
+    return d
+
+
+@pytest.mark.parametrize("placement", [
+    ["extract.placement=separate"],
+    # One engine per replica generates and captures; prefix caching lets the capture prefill
+    # reuse generation's blocks (hidden-states cache included): outputs must not change.
+    ["extract.placement=colocated", "extract.prefix_caching=true"]], ids=["separate", "colocated"])
+def test_streamed_equals_staged_and_resumes_both_stages(tmp_path, staged, placement):
     from eagle_ray.extract.run import run_extract
     from eagle_ray.generate.run import run_generate
     from eagle_ray.stream import run_generate_extract
 
-    (tmp_path / "in.jsonl").write_text(
-        "".join(json.dumps({"messages": c}) + "\n" for c in corpus.conversations(N, seed=5)))
-    ingest([SourceSpec.parse(str(tmp_path / "in.jsonl"))], tmp_path / "prompts")
-    r = load_recipe("tiny_cpu", SETS)
-    # Staged reference.
-    run_generate(r, tmp_path / "prompts", tmp_path / "gen")
-    run_extract(r, tmp_path / "gen", tmp_path / "store")
-    # A partial earlier run: half the prompts generated, a quarter extracted.
-    run_generate(r, tmp_path / "prompts", tmp_path / "sgen", limit=N // 2)
+    r = load_recipe("tiny_cpu", SETS + placement)
+    # A partial earlier run (staged commands): half the prompts generated, a quarter extracted.
+    run_generate(r, staged / "prompts", tmp_path / "sgen", limit=N // 2)
     run_extract(r, tmp_path / "sgen", tmp_path / "sstore", limit=N // 4)
-    res = run_generate_extract(r, tmp_path / "prompts", tmp_path / "sgen", tmp_path / "sstore")
+    res = run_generate_extract(r, staged / "prompts", tmp_path / "sgen", tmp_path / "sstore")
     assert (res.generated, res.extracted) == (N - N // 2, N - N // 4)
     assert res.generate_counts == {"prompts": N, "ok": N, "rejected": 0, "pending": 0}
-    a = pq.read_table(tmp_path / "gen" / "conversations.parquet")
+    a = pq.read_table(staged / "gen" / "conversations.parquet")
     b = pq.read_table(tmp_path / "sgen" / "conversations.parquet")
     assert a.column("sample_id").to_pylist() == b.column("sample_id").to_pylist()
     assert a.column("completion_token_ids").to_pylist() == b.column("completion_token_ids").to_pylist()
     assert not verify_store(tmp_path / "sstore")["problems"]
     ids = read_index(tmp_path / "sstore").column("sample_id").to_pylist()
     assert len(ids) == len(set(ids)) == N
-    x_store, y_store = HiddenStateStore(tmp_path / "store"), HiddenStateStore(tmp_path / "sstore")
+    x_store, y_store = HiddenStateStore(staged / "store"), HiddenStateStore(tmp_path / "sstore")
     assert sorted(x_store.sample_ids) == sorted(ids)
     for sid in ids:
         x, y = x_store.get(sid), y_store.get(sid, verify=True)
@@ -52,5 +67,30 @@ def test_streamed_equals_staged_and_resumes_both_stages(tmp_path, ray_cluster, t
         torch.testing.assert_close(x["aux"], y["aux"], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(x["final"], y["final"], atol=1e-5, rtol=1e-5)
     # Nothing left: a re-run starts no Ray work.
-    again = run_generate_extract(r, tmp_path / "prompts", tmp_path / "sgen", tmp_path / "sstore")
+    again = run_generate_extract(r, staged / "prompts", tmp_path / "sgen", tmp_path / "sstore")
     assert (again.generated, again.extracted) == (0, 0)
+
+
+def test_colocated_generation_saves_no_states(tmp_path, ray_cluster, tiny_target_dir):
+    """In the colocated engine, generation requests (NO_CAPTURE) write no state files and
+    free their blocks; a capture request still writes its file."""
+    import os
+
+    from eagle_ray.engine import engine_kwargs, run_requests
+    from eagle_ray.extract.vllm_capture import VllmCapture, no_capture
+    from vllm import SamplingParams
+
+    r = load_recipe("tiny_cpu", SETS)
+    kw = engine_kwargs(r, str(tiny_target_dir))
+    kw.pop("model")
+    with VllmCapture(str(tiny_target_dir), r.target.resolved_aux_layer_ids, kw) as cap:
+        outs = run_requests(cap.llm, [({"prompt_token_ids": [1, 5, 9, 13]},
+                                       no_capture(SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))] * 3
+                            + [({"prompt_token_ids": []}, SamplingParams(max_tokens=8))])
+        assert [len(o.outputs[0].token_ids) for o in outs[:3]] == [8, 8, 8]
+        assert isinstance(outs[3], Exception)  # refused at submission: that row only
+        for _ in range(3):
+            cap.llm.llm_engine.step()
+        assert os.listdir(cap._dir) == []
+        (aux, final), = cap.capture([[1, 5, 9, 13]])
+        assert aux.shape[0] == final.shape[0] == 4
