@@ -1,6 +1,7 @@
 """Streamed generate+extract vs the staged commands, on the tiny target (regenerate mode).
 
-For each prompt count: wall time of the streamed run (eagle_ray/stream.py), of generate and
+For each prompt count: wall time of the streamed run (eagle_ray/stream.py) with separate
+pools and with the colocated placement (one engine generates and captures), of generate and
 extract run back to back, and peak memory: driver RSS and object-store bytes in use (Ray's
 plasma usage, polled every 0.2 s). Each run is its own process with its own local Ray, so
 start-up is included in every figure and nothing is shared between runs.
@@ -50,10 +51,13 @@ def child(mode: str, n: int, d: Path) -> dict:
     threading.Thread(target=poll, daemon=True).start()
     out = {}
     t0 = time.time()
-    if mode == "streamed":
+    if mode in ("streamed", "colocated"):
+        from eagle_ray.config import apply_overrides
         from eagle_ray.stream import run_generate_extract
 
-        run_generate_extract(r, d / "prompts", d / "gen", d / "store")
+        placement = "colocated" if mode == "colocated" else "separate"
+        run_generate_extract(apply_overrides(r, {"extract.placement": placement}),
+                             d / "prompts", d / "gen", d / "store")
     else:
         from eagle_ray.extract.run import run_extract
         from eagle_ray.generate.run import run_generate
@@ -84,7 +88,7 @@ def main() -> None:
     rows = []
     for n in a.prompts:
         r = {}
-        for mode in ("streamed", "staged"):
+        for mode in ("streamed", "colocated", "staged"):
             with tempfile.TemporaryDirectory() as d:
                 proc = subprocess.run([sys.executable, __file__, "--child", mode, str(n), d],
                                       env=env, capture_output=True, text=True)
@@ -93,15 +97,18 @@ def main() -> None:
                     sys.exit(f"{mode} n={n} failed:\n{proc.stderr[-3000:]}")
                 r[mode] = json.loads(line[0][7:])
         rows.append((n, r))
-    print("| prompts | streamed s | generate s | extract s | staged total s | streamed / slower stage "
-          "| driver RSS MiB streamed / staged | object store peak MiB streamed / staged |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| prompts | streamed (separate pools) s | colocated s | generate s | extract s | staged total s "
+          "| streamed / slower stage | driver RSS MiB streamed / colocated / staged "
+          "| object store peak MiB streamed / colocated / staged |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n, r in rows:
-        s, g = r["streamed"], r["staged"]
+        s, c, g = r["streamed"], r["colocated"], r["staged"]
         slower = max(g["generate_s"], g["extract_s"])
-        print(f"| {n} | {s['wall_s']:.1f} | {g['generate_s']:.1f} | {g['extract_s']:.1f} | "
-              f"{g['wall_s']:.1f} | {s['wall_s'] / slower:.2f} | {s['driver_rss_mib']:.0f} / "
-              f"{g['driver_rss_mib']:.0f} | {s['object_store_peak_mib']:.2f} / {g['object_store_peak_mib']:.2f} |")
+        print(f"| {n} | {s['wall_s']:.1f} | {c['wall_s']:.1f} | {g['generate_s']:.1f} | "
+              f"{g['extract_s']:.1f} | {g['wall_s']:.1f} | {s['wall_s'] / slower:.2f} | "
+              f"{s['driver_rss_mib']:.0f} / {c['driver_rss_mib']:.0f} / {g['driver_rss_mib']:.0f} | "
+              f"{s['object_store_peak_mib']:.2f} / {c['object_store_peak_mib']:.2f} / "
+              f"{g['object_store_peak_mib']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -129,6 +129,22 @@ def cmd_extract(args) -> int:
     return 0
 
 
+def cmd_generate_extract(args) -> int:
+    from eagle_ray.config import apply_overrides
+    from eagle_ray.stream import run_generate_extract
+
+    recipe = _recipe(args)
+    if args.placement:
+        recipe = apply_overrides(recipe, {"extract.placement": args.placement})
+    res = run_generate_extract(recipe, args.prompts, args.generated, args.out)
+    c = res.generate_counts
+    print(f"generate+extract ({recipe.extract.placement}): {res.generated:,} conversations "
+          f"generated, {res.extracted:,} samples ({res.tokens:,} tokens) extracted this run; "
+          f"{c.get('ok', 0):,} conversations, {c.get('rejected', 0):,} rejected -> "
+          f"{args.generated}; store {args.out}; {res.seconds:.1f}s")
+    return 0
+
+
 def cmd_train(args) -> int:
     from eagle_ray.train.run import run_train
 
@@ -256,6 +272,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the hidden-state store directory")
     p.add_argument("--limit", type=int, help="only the first N conversations (smoke runs)")
     p.set_defaults(fn=cmd_extract)
+
+    p = sub.add_parser("generate-extract",
+                       help="generate and extract in one streamed Ray Data pipeline (resumable; "
+                            "same outputs as generate then extract)")
+    _add_recipe_args(p)
+    p.add_argument("--prompts", required=True, help="ingest output directory or prompts.parquet")
+    p.add_argument("--generated", required=True,
+                   help="where the conversations go (the generate output directory)")
+    p.add_argument("--out", required=True, help="the hidden-state store directory")
+    p.add_argument("--placement", choices=("separate", "colocated"),
+                   help="override the recipe's extract.placement: separate generation and "
+                        "extractor pools, or one engine per replica that does both")
+    p.set_defaults(fn=cmd_generate_extract)
 
     p = sub.add_parser("train", help="train the EAGLE-3 drafter with Ray Train DDP (resumes RUN_DIR)")
     _add_recipe_args(p)

@@ -94,3 +94,20 @@ def test_colocated_generation_saves_no_states(tmp_path, ray_cluster, tiny_target
         assert os.listdir(cap._dir) == []
         (aux, final), = cap.capture([[1, 5, 9, 13]])
         assert aux.shape[0] == final.shape[0] == 4
+
+
+def test_cli_generate_extract(tmp_path, staged, capsys):
+    """`eagle-ray generate-extract` (colocated here): the staged outputs, and a second call
+    finds nothing left."""
+    from eagle_ray.cli import main
+
+    args = ["generate-extract", "--recipe", "tiny_cpu", *sum((["--set", s] for s in SETS), []),
+            "--prompts", str(staged / "prompts"), "--generated", str(tmp_path / "gen"),
+            "--out", str(tmp_path / "store"), "--placement", "colocated"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"(colocated): {N} conversations generated, {N} samples" in out
+    assert sorted(read_index(tmp_path / "store").column("sample_id").to_pylist()) == \
+        sorted(read_index(staged / "store").column("sample_id").to_pylist())
+    assert main(args) == 0
+    assert "0 conversations generated, 0 samples" in capsys.readouterr().out
