@@ -96,12 +96,15 @@ class ColocatedUDF(_Regenerate):
         from eagle_ray.engine import run_requests
         from eagle_ray.extract.vllm_capture import no_capture
 
+        from eagle_ray.metrics import InFlight
+
         if self.logged is not None:
             return self.logged(batch)
-        cols, rows, todo = self._prepare(batch)
-        outputs = run_requests(self.capture.llm, [
-            (TokensPrompt(prompt_token_ids=t[2]), no_capture(t[1])) for t in todo])
-        return self._finish(cols, rows, todo, outputs)
+        with InFlight("generate"):
+            cols, rows, todo = self._prepare(batch)
+            outputs = run_requests(self.capture.llm, [
+                (TokensPrompt(prompt_token_ids=t[2]), no_capture(t[1])) for t in todo])
+            return self._finish(cols, rows, todo, outputs)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         from eagle_ray.extract.stage import INPUT_COLUMNS as EXTRACT_COLUMNS

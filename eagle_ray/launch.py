@@ -44,6 +44,7 @@ class LocalHead:
     pgid: int
     gcs_address: str
     dashboard_url: str
+    metrics_url: str  # the head node's Prometheus endpoint (Ray's and eagle_ray's metrics)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """End every process of this head (its process group): TERM, then KILL."""
@@ -68,8 +69,9 @@ def start_head(*, num_cpus: int | None = None, object_store_bytes: int | None = 
     chosen free so it never collides with another Ray on the machine."""
     td = Path(temp_dir or tempfile.mkdtemp(prefix="er-ray-", dir="/tmp"))  # short: socket paths
     td.mkdir(parents=True, exist_ok=True)
-    port, dash = free_port(), dashboard_port or free_port()
+    port, dash, metrics = free_port(), dashboard_port or free_port(), free_port()
     cmd = [RAY, "start", "--head", f"--temp-dir={td}", f"--port={port}",
+           f"--metrics-export-port={metrics}",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
            f"--ray-client-server-port={free_port()}",
            f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats"]
@@ -80,7 +82,8 @@ def start_head(*, num_cpus: int | None = None, object_store_bytes: int | None = 
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     head = LocalHead(temp_dir=td, pgid=proc.pid, gcs_address=f"127.0.0.1:{port}",
-                     dashboard_url=f"http://127.0.0.1:{dash}")
+                     dashboard_url=f"http://127.0.0.1:{dash}",
+                     metrics_url=f"http://127.0.0.1:{metrics}/metrics")
     try:
         output, _ = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -116,9 +119,23 @@ def ray_job(args: list[str], address: str | None, **kw) -> subprocess.CompletedP
     return subprocess.run([RAY, "job", args[0], *addr, *args[1:]], cwd=REPO_ROOT, **kw)
 
 
+def job_metadata(entrypoint: list[str]) -> dict[str, str]:
+    """What the dashboard's Jobs page shows with the job: the recipe, the output directory and
+    the --set overrides, read from the entrypoint's arguments."""
+    meta = {"app": "eagle_ray"}
+    for flag, key in (("--recipe", "recipe"), ("--out", "out")):
+        if flag in entrypoint[:-1]:
+            meta[key] = entrypoint[entrypoint.index(flag) + 1]
+    sets = [entrypoint[i + 1] for i, a in enumerate(entrypoint[:-1]) if a == "--set"]
+    if sets:
+        meta["set"] = " ".join(sets)
+    return meta
+
+
 def submit(entrypoint: list[str], address: str | None, submission_id: str,
            env_vars: dict | None = None) -> None:
     p = ray_job(["submit", "--no-wait", "--submission-id", submission_id,
+                 "--metadata-json", json.dumps(job_metadata(entrypoint)),
                  "--working-dir", str(REPO_ROOT),
                  "--runtime-env-json", json.dumps(runtime_env(env_vars)), "--", *entrypoint],
                 address, capture_output=True, text=True, timeout=300)

@@ -84,6 +84,11 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
     }
     atomic_write_json(out / "report.json", report)
     atomic_write_bytes(out / "report.md", _markdown(report).encode())
+    from eagle_ray.metrics import record
+
+    for name in ("offline", "online", "untrained", "ngram"):
+        record("eagle_ray_acceptance_length", report[name]["mean_acceptance_length"],
+               stage="evaluate", run=name)
     _plot(report, out / "acceptance.png")
     return report
 

@@ -146,6 +146,7 @@ def _extract_into(recipe: Recipe, table, store: Path, model_dir: Path, manifest:
         check_budget(recipe, num_samples=todo.num_rows,
                      avg_tokens=max(1.0, todo_tokens / todo.num_rows), out_dir=store)
         from eagle_ray.cluster import init_ray
+        from eagle_ray.metrics import record_committed, record_pool
 
         init_ray()
         e = recipe.extract
@@ -156,8 +157,10 @@ def _extract_into(recipe: Recipe, table, store: Path, model_dir: Path, manifest:
         for rows in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             extracted += rows.num_rows
             tokens += pc.sum(rows.column("num_tokens")).as_py() or 0
+            record_committed(rows, manifest)
             if time.time() - last >= recipe.generate.progress_interval_s:
                 last = time.time()
+                record_pool("extract", "ExtractUDF", e.min_replicas, e.max_replicas)
                 logger.info("extract: %d/%d samples, %.0f tokens/s", skipped + extracted,
                             table.num_rows, tokens / max(1e-9, time.time() - t_start))
     logger.info("extract: %d samples, %d tokens this run in %.1fs -> %s", extracted, tokens,

@@ -83,6 +83,12 @@ class ExtractUDF:
         return self._done
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        from eagle_ray.metrics import InFlight
+
+        with InFlight("extract"):
+            return self._extract(batch)
+
+    def _extract(self, batch: pa.Table) -> pa.Table:
         cols = {c: batch.column(c).to_pylist() for c in INPUT_COLUMNS}
         # A retried batch (actor died after committing) must not commit its samples twice.
         done = self._committed()

@@ -68,6 +68,24 @@ def split_reasoning(text: str, think_start: str, think_end: str,
     return head.strip("\n") or None, tail.lstrip("\n")
 
 
+def _record_generated(table: pa.Table) -> None:
+    """Replica-side metrics of one finished batch: prompts by status, completion tokens,
+    rejects by reason."""
+    import collections
+
+    import pyarrow.compute as pc
+
+    from eagle_ray.metrics import record
+
+    status = collections.Counter(table.column("status").to_pylist())
+    for st, n in status.items():
+        record("eagle_ray_prompts_generated", n, stage="generate", status=st)
+    record("eagle_ray_completion_tokens",
+           pc.sum(table.column("num_completion_tokens")).as_py() or 0, stage="generate")
+    for reason, n in collections.Counter(r for r in table.column("reason").to_pylist() if r).items():
+        record("eagle_ray_rejects", n, stage="generate", reason=reason)
+
+
 def _row(sample_id: str, source: str | None, **kw: Any) -> dict[str, Any]:
     row = {name: None for name in CONVERSATIONS_SCHEMA.names}
     row.update(sample_id=sample_id, source=source, **kw)
@@ -140,6 +158,11 @@ class _Regenerate(_Base):
 
     def _finish(self, cols, rows, todo, outputs) -> pa.Table:
         """Conversation rows, in input order; an engine error costs its row only."""
+        table = self._finish_rows(cols, rows, todo, outputs)
+        _record_generated(table)
+        return table
+
+    def _finish_rows(self, cols, rows, todo, outputs) -> pa.Table:
         g, max_seq_len = self.recipe.generate, self.recipe.data.max_seq_len
         for (i, _, ids, messages, started), out in zip(todo, outputs):
             sid, src = cols["sample_id"][i], cols["source"][i]
@@ -181,7 +204,13 @@ class GenerateUDF(_Regenerate):
 
         from eagle_ray.engine import engine_kwargs
 
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(recipe, model_path)))
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+        # vLLM's engine metrics (queue, KV cache, throughput, latencies) into Ray's metrics:
+        # the dashboard and Grafana show them next to eagle_ray's (`ray_vllm_*`).
+        self.engine = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(**engine_kwargs(recipe, model_path)),
+            stat_loggers=[RayPrometheusStatLogger])
         self._init_sampling(self.engine.model_config.max_model_len)
         self._seq = 0
 
@@ -193,9 +222,13 @@ class GenerateUDF(_Regenerate):
     async def __call__(self, batch: pa.Table):
         from vllm.inputs import TokensPrompt
 
-        cols, rows, todo = self._prepare(batch)
-        outputs = await self._generate([(TokensPrompt(prompt_token_ids=t[2]), t[1]) for t in todo])
-        yield self._finish(cols, rows, todo, outputs)
+        from eagle_ray.metrics import InFlight
+
+        with InFlight("generate"):
+            cols, rows, todo = self._prepare(batch)
+            outputs = await self._generate([(TokensPrompt(prompt_token_ids=t[2]), t[1]) for t in todo])
+            table = self._finish(cols, rows, todo, outputs)
+        yield table
 
     async def _one(self, prompt, params):
         self._seq += 1

@@ -74,6 +74,21 @@ def _distributed_rng_save(run_dir: Path, step: int, rank: int) -> None:
     torch.save(states, d / f"rank{rank}.pt")
 
 
+def _record_metrics(m: dict[str, float]) -> None:
+    """Rank 0's report into Ray's metrics (the dashboard / Grafana training panels)."""
+    from eagle_ray.metrics import record
+
+    record("eagle_ray_train_step", m.get("step"), stage="train")
+    record("eagle_ray_train_loss", m.get("train/loss"), stage="train")
+    record("eagle_ray_train_tokens_per_s", m.get("train/tokens_per_s"), stage="train")
+    record("eagle_ray_train_data_wait_fraction", m.get("train/data_wait_frac"), stage="train")
+    for k, v in m.items():
+        if k.startswith("train/acc_step"):
+            record("eagle_ray_train_accuracy", v, stage="train", ttt_step=k[len("train/acc_step"):])
+        elif k.startswith("val/acc_step"):
+            record("eagle_ray_train_accuracy", v, stage="val", ttt_step=k[len("val/acc_step"):])
+
+
 def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     import ray.train
     import torch
@@ -177,6 +192,7 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
 
     def log(m: dict[str, float]) -> None:
         if rank == 0:
+            _record_metrics(m)
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(m) + "\n")
             for k, v in m.items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,9 @@ def _train_on_whole_store(recipe: Recipe, store_dir: str | Path, run: Path) -> d
     _truncate_metrics(run / "metrics.jsonl", resume_step)
     from eagle_ray.cluster import init_ray
 
+    # Ray Train's state tracking (read by the trainer in this process): the dashboard's Train
+    # page then lists the run, its workers and their state. Off by default in Ray 2.60.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
     init_ray()
     use_gpu = t.use_gpu and ray.cluster_resources().get("GPU", 0) >= t.num_workers
     if t.use_gpu and not use_gpu:

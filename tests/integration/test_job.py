@@ -4,12 +4,16 @@ the store equals an uninterrupted extraction's and the job finishes with its rep
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import torch
 
@@ -24,7 +28,10 @@ SETS = ["generate.mode=keep_logged", "generate.max_tokens=24", "data.max_seq_len
         "storage.dtype=fp32", "extract.batch_size=1", "train.max_steps=4", "train.num_workers=1",
         "train.ckpt_interval=2", "train.eval_interval=2", "train.log_interval=2"]
 ENV = {"RAY_AUTH_MODE": "disabled", "RAY_DATA_EXECUTION_NO_PROGRESS_TIMEOUT_S": "300",
-       "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+       "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+       # Processes push their metrics to the node's agent every second (default 10 s), so the
+       # values recorded just before the job ends reach the Prometheus endpoint.
+       "RAY_metrics_report_interval_ms": "1000"}
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +46,46 @@ def head(tiny_target_dir):
 def _submit(head, out, data, sid):
     launch.submit(launch.job_args(out, sets=SETS, data=[str(data)]), head.dashboard_url, sid,
                   env_vars=ENV)
+
+
+# Ray exports a custom metric NAME as ray_NAME (counters with a _total suffix).
+_LINE = re.compile(r'^(?:ray_)?(eagle_ray_\w+?)(?:_total)?\{(.*)\} ([0-9.eE+-]+)$')
+
+
+def scrape(url: str) -> dict[tuple, float]:
+    """eagle_ray samples on a Prometheus endpoint: {(name, frozenset(labels)): value}."""
+    import urllib.request
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if m:
+            labels = frozenset(tuple(kv.split("=", 1)) for kv in
+                               re.findall(r'(\w+="[^"]*")', m.group(2)))
+            out[(m.group(1), frozenset((k, v.strip('"')) for k, v in labels))] = float(m.group(3))
+    return out
+
+
+class Scraper(threading.Thread):
+    """Scrapes the endpoint every second while a job runs; keeps the newest value per series."""
+
+    def __init__(self, url):
+        super().__init__(daemon=True)
+        self.url, self.seen, self.stop, self.errors = url, {}, threading.Event(), []
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                self.seen.update(scrape(self.url))
+            except Exception as e:  # the endpoint may not be up at the very start
+                self.errors.append(repr(e))
+            self.stop.wait(1.0)
+
+    def value(self, name, **labels):
+        """Sum over the series of `name` whose labels include `labels`."""
+        want = set(labels.items())
+        return sum(v for (n, ls), v in self.seen.items() if n == name and want <= set(ls))
 
 
 def _logs(head, sid):
@@ -71,22 +118,51 @@ def test_job_stopped_during_extraction_resumes_to_the_same_store(head, tmp_path)
     assert launch.wait(head.dashboard_url, sid, 120) in ("FAILED", "STOPPED")
     time.sleep(2)  # an actor mid-write may still commit its shard before Ray reaps it
     committed = len(read_index(out / "store"))
+    first_ids = read_index(out / "store").column("sample_id").to_pylist()
     assert 0 < committed < N, f"the stop should land mid-extraction ({committed}/{N} committed)"
     assert not (out / "summary.json").exists()
     t_first = time.time() - t0
 
     sid2 = f"test-{uuid.uuid4().hex[:6]}"
+    scraper = Scraper(head.metrics_url)
+    scraper.start()
     _submit(head, out, data, sid2)
     status = launch.wait(head.dashboard_url, sid2, 600)
+    time.sleep(3)  # one more report interval and scrape
+    scraper.stop.set()
+    scraper.join()
     logs = _logs(head, sid2)
     assert status == "SUCCEEDED", logs[-5000:]
-    assert "ingest: complete" in logs and "generate+extract (streamed)" in logs
+    assert "ingest: complete" in logs and "generate+extract (streamed, separate)" in logs
     assert f"({committed:,} already in the store)" in logs
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["train"]["step"] == 4
     assert summary["evaluate"]["outputs_identical"] is True
     assert (out / "evaluate" / "report.md").exists() and "generate+extract" in summary["steps_run"]
     print(f"first submission (stopped) {t_first:.0f}s, second {time.time() - t0 - t_first:.0f}s")
+
+    # The dashboard's view of the second job: its metrics on the node's Prometheus endpoint
+    # agree with the job's own counts, the Jobs page carries the recipe and output, and the
+    # Train page lists the training run.
+    info = client.get_job_info(sid2)
+    job = info.job_id
+    assert info.metadata["recipe"] == "tiny_cpu" and info.metadata["out"] == str(out.resolve())
+    assert scraper.value("eagle_ray_samples_committed", job=job) == N - committed, scraper.errors[-3:]
+    index = read_index(out / "store")
+    second = index.filter(pc.invert(pc.is_in(index.column("sample_id"),
+                                             pa.array(first_ids, pa.string()))))
+    assert second.num_rows == N - committed
+    assert scraper.value("eagle_ray_tokens_committed", job=job) == sum(second.column("num_tokens").to_pylist())
+    assert scraper.value("eagle_ray_train_step", job=job) == 4
+    evaluate = json.loads((out / "evaluate" / "report.json").read_text())
+    assert scraper.value("eagle_ray_acceptance_length", job=job, run="online") == \
+        pytest.approx(evaluate["online"]["mean_acceptance_length"])
+    assert scraper.value("eagle_ray_train_accuracy", job=job, stage="train", ttt_step="0") > 0
+    import urllib.request
+
+    runs = json.loads(urllib.request.urlopen(f"{head.dashboard_url}/api/train/v2/runs/v1",
+                                             timeout=10).read())
+    assert any(r.get("job_id") == job for r in runs.get("train_runs", [])), runs
 
     # Reference: one uninterrupted extraction of the same conversations on the same cluster.
     ref = tmp_path / "ref_store"
