@@ -145,6 +145,32 @@ def cmd_generate_extract(args) -> int:
     return 0
 
 
+def cmd_scale(args) -> int:
+    import time
+
+    from eagle_ray.cluster import init_ray
+    from eagle_ray.control import scale
+
+    if (args.stage is None) != (args.replicas is None):
+        raise ValueError("give both STAGE and N (e.g. `eagle-ray scale extract 2`), or neither "
+                         "to show the pools")
+    import os
+
+    from eagle_ray.cluster import _resolve_address
+
+    if args.address:
+        os.environ["RAY_ADDRESS"] = args.address
+    if _resolve_address(None)[0] is None:  # never start a cluster of our own here
+        raise ValueError("no running Ray cluster found: pass --address (the GCS address, e.g. "
+                         "127.0.0.1:6379) or set RAY_ADDRESS")
+    init_ray(namespace="eagle_ray")
+    t0 = time.time()
+    scale(args.stage, args.replicas, args.job, wait_s=args.wait)
+    if args.wait and args.stage:
+        print(f"({time.time() - t0:.1f}s)")
+    return 0
+
+
 def cmd_train(args) -> int:
     from eagle_ray.train.run import run_train
 
@@ -285,6 +311,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the recipe's extract.placement: separate generation and "
                         "extractor pools, or one engine per replica that does both")
     p.set_defaults(fn=cmd_generate_extract)
+
+    p = sub.add_parser("scale", help="resize a running job's pool (extract or generate) without "
+                                     "restarting it; no arguments: show the pools")
+    p.add_argument("stage", nargs="?", choices=("extract", "generate"))
+    p.add_argument("replicas", nargs="?", type=int, metavar="N")
+    p.add_argument("--job", help="submission id (or Ray job id) of the job; default: the only "
+                                 "eagle_ray job running")
+    p.add_argument("--address", help="Ray cluster (GCS) address; default RAY_ADDRESS or the "
+                                     "cluster this machine runs")
+    p.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="wait up to S seconds until the pool has N running replicas")
+    p.set_defaults(fn=cmd_scale)
 
     p = sub.add_parser("train", help="train the EAGLE-3 drafter with Ray Train DDP (resumes RUN_DIR)")
     _add_recipe_args(p)

@@ -136,6 +136,9 @@ def _stream(recipe: Recipe, table: pa.Table, parts_dir: Path, store: Path, model
         return 0, 0, 0
 
     init_ray()
+    from eagle_ray.control import start_control
+
+    start_control()  # `eagle-ray scale` resizes this run's pools while it runs
     ctx = ray.data.DataContext.get_current()
     # Backpressure: Ray Data holds at most this many bytes in the object store between the
     # pools; a slow extractor pool stalls generation instead of piling up blocks.

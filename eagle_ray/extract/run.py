@@ -149,6 +149,9 @@ def _extract_into(recipe: Recipe, table, store: Path, model_dir: Path, manifest:
         from eagle_ray.metrics import record_committed, record_pool
 
         init_ray()
+        from eagle_ray.control import start_control
+
+        start_control()  # `eagle-ray scale` resizes this run's pools while it runs
         e = recipe.extract
         todo = todo.select(list(INPUT_COLUMNS))
         blocks = [todo.slice(i, e.batch_size) for i in range(0, todo.num_rows, e.batch_size)]

@@ -142,6 +142,9 @@ def run_generate(recipe: Recipe, prompts: str | Path, out_dir: str | Path, *,
         from eagle_ray.cluster import init_ray
 
         init_ray()
+        from eagle_ray.control import start_control
+
+        start_control()  # `eagle-ray scale` resizes this run's pools while it runs
         ds = generation_dataset(recipe, todo, model_dir)
         last = time.time()
         t_gen = time.time()
