@@ -174,10 +174,14 @@ def cmd_scale(args) -> int:
 def cmd_train(args) -> int:
     from eagle_ray.train.run import run_train
 
-    m = run_train(_recipe(args), args.store, args.out)
+    if (args.store is None) == (args.conversations is None):
+        raise ValueError("train needs exactly one of --store STORE (offline) or --conversations "
+                         "GEN_DIR (online: features from extractor actors, no store)")
+    m = run_train(_recipe(args), args.store, args.out, conversations=args.conversations)
     print("train: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                 for k, v in m.items() if k in ("step", "train/loss", "val/acc_step0",
-                                                               "val/acc_step1", "train/tokens_per_s")))
+                                                               "val/acc_step1", "train/tokens_per_s",
+                                                               "online/spilled_bytes")))
     print(f"run directory: {args.out} (checkpoints/, metrics.jsonl, tensorboard/)")
     return 0
 
@@ -326,7 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train the EAGLE-3 drafter with Ray Train DDP (resumes RUN_DIR)")
     _add_recipe_args(p)
-    p.add_argument("--store", required=True)
+    p.add_argument("--store", help="hidden-state store (offline training)")
+    p.add_argument("--conversations", help="generate output dir: train ONLINE, features from "
+                                           "extractor actors through the object store, no store")
     p.add_argument("--out", required=True, help="run directory (re-run to resume)")
     p.set_defaults(fn=cmd_train)
 

@@ -306,8 +306,13 @@ class TrainConfig:
     seed: int = 0
     bf16: bool = True
     """bf16 autocast on GPUs (ignored on the CPU)."""
+    online_bytes_in_flight: int = 2 << 30
+    """Online training (no store): feature bytes each worker may have requested ahead from the
+    extractor actors (object store); sets how many steps are prefetched (1..8)."""
 
     def __post_init__(self) -> None:
+        if self.online_bytes_in_flight < 1 << 20:
+            raise ValueError("train.online_bytes_in_flight: need >= 1 MiB")
         if self.num_workers < 1 or self.max_steps < 1 or self.grad_accum < 1:
             raise ValueError("train: need num_workers >= 1, max_steps >= 1, grad_accum >= 1")
         if self.tokens_per_batch < 16:

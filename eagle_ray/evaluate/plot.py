@@ -15,6 +15,8 @@ def main(report_path: str, png_path: str) -> None:
     pos = list(range(r["k"]))
     for name, label in (("offline", "offline (simulated)"), ("online", "online EAGLE-3"),
                         ("untrained", "untrained drafter"), ("ngram", "n-gram")):
+        if not r.get(name):  # no offline figures for an online-trained drafter
+            continue
         ax.plot(pos, r[name]["per_position_acceptance"], marker="o",
                 label=f"{label} (AL {r[name]['mean_acceptance_length']:.2f})")
     ax.set_xlabel("draft position")

@@ -47,8 +47,9 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
 
     # Offline: trained vs untrained on the store's validation split.
     weights = {kname: v for kname, v in load_file(str(drafter_dir / "model.safetensors")).items()}
-    offline = offline_acceptance(info, weights, k)
-    offline_untrained = offline_acceptance(info, None, k)
+    # (An online-trained run has no store: no offline figures, the online ones are measured.)
+    offline = offline_acceptance(info, weights, k) if info.get("store") else None
+    offline_untrained = offline_acceptance(info, None, k) if info.get("store") else None
 
     # Online: real vLLM, same prompts, greedy.
     ekw = engine_kwargs(recipe, str(model_dir))
@@ -78,8 +79,8 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
         "speedup_vs_baseline": {n: runs[n]["tokens_per_s"] / runs["baseline"]["tokens_per_s"]
                                 for n in ("online", "untrained", "ngram")},
         "outputs_identical": all(identical.values()), "outputs_identical_by_run": identical,
-        "offline_online_gap": abs(offline["mean_acceptance_length"]
-                                  - runs["online"]["mean_acceptance_length"]),
+        "offline_online_gap": (abs(offline["mean_acceptance_length"]
+                                   - runs["online"]["mean_acceptance_length"]) if offline else None),
         "provenance": provenance(),
     }
     atomic_write_json(out / "report.json", report)
@@ -87,8 +88,9 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
     from eagle_ray.metrics import record
 
     for name in ("offline", "online", "untrained", "ngram"):
-        record("eagle_ray_acceptance_length", report[name]["mean_acceptance_length"],
-               stage="evaluate", run=name)
+        if report[name]:
+            record("eagle_ray_acceptance_length", report[name]["mean_acceptance_length"],
+                   stage="evaluate", run=name)
     _plot(report, out / "acceptance.png")
     return report
 
@@ -111,7 +113,9 @@ def _markdown(r: dict) -> str:
     return (f"# Drafter evaluation\n\n{r['prompts']} held-out prompts, k = {k}, greedy, "
             f"max_tokens {r['max_tokens']}. Acceptance is {r['metric']}.\n\n{head}{body}\n"
             f"Outputs with speculation identical to without: {r['outputs_identical']}.\n"
-            f"Offline vs online mean acceptance length gap: {r['offline_online_gap']:.3f}.\n")
+            + (f"Offline vs online mean acceptance length gap: {r['offline_online_gap']:.3f}.\n"
+               if r["offline_online_gap"] is not None else
+               "Offline figures: none (the drafter was trained online, without a store).\n"))
 
 
 def _plot(r: dict, path: Path) -> None:

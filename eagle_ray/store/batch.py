@@ -18,7 +18,11 @@ def collate(store: HiddenStateStore, ids: Sequence[str], *,
             verify: bool = False) -> dict[str, torch.Tensor]:
     """Right-padded batch: input_ids/loss_mask/attention_mask [B, T], aux [B, T, 3H], final [B, T, H].
     `verify`: check each sample's checksum as it is read (StoreError names sample and shard)."""
-    samples = [store.get(sid, verify=verify) for sid in ids]
+    return collate_samples([store.get(sid, verify=verify) for sid in ids])
+
+
+def collate_samples(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The batch of decoded samples (from a store, or from online extraction)."""
     B, T = len(samples), max(len(s["input_ids"]) for s in samples)
     A, H = samples[0]["aux"].shape[1], samples[0]["final"].shape[1]
     out = {"input_ids": torch.zeros(B, T, dtype=torch.long),

@@ -170,15 +170,7 @@ class HiddenStateStore:
                 raise StoreError(f"sample {self._cols['sample_id'][i]} fails its checksum in shard "
                                  f"{self.root / SHARDS_DIR / self._cols['shard'][i]} (corrupted "
                                  f"bytes); {repair_hint(self.root)}")
-        dtype = dtype or torch.float32
-        aux, final = raw["aux"].to(dtype), raw["final"].to(dtype)
-        if "aux_scale" in raw:  # fp8: per-token, per-layer scales
-            T = aux.shape[0]
-            A = raw["aux_scale"].shape[1]
-            aux = (aux.reshape(T, A, -1) * raw["aux_scale"].to(dtype)[..., None]).reshape(T, -1)
-            final = final * raw["final_scale"].to(dtype)
-        return {"input_ids": raw["input_ids"].long(), "loss_mask": raw["loss_mask"].bool(),
-                "aux": aux, "final": final}
+        return decode(raw, dtype)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.get(i)
@@ -253,3 +245,20 @@ def check_store_whole(root: str | Path) -> dict[str, Any]:
         raise StoreDamagedError(f"store {root} is damaged: {'; '.join(found[:3])}{more}; "
                                 f"{repair_hint(root)}")
     return rep
+
+
+def decode(raw: dict, dtype=None) -> dict:
+    """Storage tensors of one sample (what `encode` wrote, plus input_ids and loss_mask) ->
+    {"input_ids" [T] int64, "loss_mask" [T] bool, "aux" [T, A*H], "final" [T, H]} in `dtype`
+    (default float32). Also used by online training, whose features travel encoded."""
+    import torch
+
+    dtype = dtype or torch.float32
+    aux, final = raw["aux"].to(dtype), raw["final"].to(dtype)
+    if "aux_scale" in raw:  # fp8: per-token, per-layer scales
+        T = aux.shape[0]
+        A = raw["aux_scale"].shape[1]
+        aux = (aux.reshape(T, A, -1) * raw["aux_scale"].to(dtype)[..., None]).reshape(T, -1)
+        final = final * raw["final_scale"].to(dtype)
+    return {"input_ids": raw["input_ids"].long(), "loss_mask": raw["loss_mask"].bool(),
+            "aux": aux, "final": final}

@@ -26,7 +26,6 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from eagle_ray.store.batch import collate
 from eagle_ray.store.reader import HiddenStateStore
 
 
@@ -80,16 +79,15 @@ def epoch_batches(lengths: Sequence[int], tokens_per_batch: int, seed: int, epoc
     return make_batches(lengths, tokens_per_batch, seed * 1_000_003 + epoch)
 
 
-def check_enough_for_a_step(store: HiddenStateStore, ids: Sequence[str], *, tokens_per_batch: int,
-                            seed: int, world: int, accum: int) -> int:
-    """Optimizer steps in the first epoch; a ValueError saying what to change when it is 0
-    (checked by the driver, before any Ray worker starts)."""
-    lengths = sample_lengths(store, ids)
+def check_enough_for_a_step(lengths: Sequence[int], *, tokens_per_batch: int, seed: int,
+                            world: int, accum: int, what: str = "the store's") -> int:
+    """Optimizer steps in the first epoch for training samples of these lengths; a ValueError
+    saying what to change when it is 0 (checked by the driver, before any Ray worker starts)."""
     n = len(epoch_batches(lengths, tokens_per_batch, seed, 0))
     need = world * accum
     if n < need:
         raise ValueError(
-            f"not enough training data for one optimizer step: the store's {len(ids)} training "
+            f"not enough training data for one optimizer step: {what} {len(lengths)} training "
             f"samples ({sum(lengths):,} tokens) make {n} micro-batch(es) of <= {tokens_per_batch:,} "
             f"tokens, and one step needs train.num_workers x train.grad_accum = {world} x {accum} "
             f"= {need}. Extract more samples, or lower train.num_workers / train.grad_accum / "
@@ -101,16 +99,15 @@ def check_enough_for_a_step(store: HiddenStateStore, ids: Sequence[str], *, toke
 class RankBatches:
     """The micro-batches of one rank for one epoch: global batch g = step * world * accum + i
     goes to rank (i // accum) as its (i % accum)-th micro-batch, so W workers x A accum steps
-    see the same global batches as 1 worker x (W*A) accum steps."""
+    see the same global batches as 1 worker x (W*A) accum steps. Needs only the samples'
+    lengths: the same plan whether features come from a store or from online extraction."""
 
-    def __init__(self, store: HiddenStateStore, ids: Sequence[str], *, tokens_per_batch: int,
-                 seed: int, epoch: int, rank: int, world: int, accum: int, verify: bool = False):
-        lengths = sample_lengths(store, ids)
+    def __init__(self, lengths: Sequence[int], ids: Sequence[str], *, tokens_per_batch: int,
+                 seed: int, epoch: int, rank: int, world: int, accum: int):
         batches = epoch_batches(lengths, tokens_per_batch, seed, epoch)
         self.steps = len(batches) // (world * accum)  # drop the ragged tail: ranks step together
-        self.store, self.ids, self.batches = store, list(ids), batches
+        self.ids, self.batches = list(ids), batches
         self.rank, self.world, self.accum = rank, world, accum
-        self.verify = verify
 
     def micro_batches(self, step: int) -> list[list[str]]:
         base = step * self.world * self.accum + self.rank * self.accum
@@ -118,20 +115,19 @@ class RankBatches:
 
 
 class Prefetcher:
-    """Loads the next steps' micro-batches on a thread while the current step computes;
-    records how long the training loop waited for data."""
+    """Loads the next steps' micro-batches on a thread while the current step computes
+    (`load(ids) -> batch`); records how long the training loop waited for data."""
 
-    def __init__(self, rb: RankBatches, start_step: int, depth: int = 2):
+    def __init__(self, rb: RankBatches, start_step: int, load, depth: int = 2):
         self.q: queue.Queue = queue.Queue(maxsize=depth)
         self.wait_s = 0.0
-        self._t = threading.Thread(target=self._run, args=(rb, start_step), daemon=True)
+        self._t = threading.Thread(target=self._run, args=(rb, start_step, load), daemon=True)
         self._t.start()
 
-    def _run(self, rb: RankBatches, start: int) -> None:
+    def _run(self, rb: RankBatches, start: int, load) -> None:
         try:
             for step in range(start, rb.steps):
-                self.q.put((step, [collate(rb.store, mb, verify=rb.verify)
-                                   for mb in rb.micro_batches(step)]))
+                self.q.put((step, [load(mb) for mb in rb.micro_batches(step)]))
         except BaseException as e:  # surface loader errors in the training loop
             self.q.put(e)
             return

@@ -112,7 +112,20 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     torch.manual_seed(t["seed"])  # identical init on every rank (DDP also broadcasts)
     random.seed(t["seed"] + rank)
 
-    store = HiddenStateStore(cfg["store"])
+    online = cfg.get("online")
+    if online:  # features from the extractor actors (train/online.py), no store
+        from eagle_ray.train.online import OnlineBatches, batch_from_features, read_windows
+
+        windows = read_windows(online["conversations"], online["max_seq_len"])
+        store = None
+
+        def length(sid):
+            return len(windows[sid][0])
+    else:
+        store = HiddenStateStore(cfg["store"])
+
+        def length(sid):
+            return store._cols["num_tokens"][store._row_of[sid]]
     embed, lm_head = load_embed_and_lm_head(cfg["target_dir"])
     arch = DrafterArch(**cfg["arch"])
     model = Eagle3Drafter(arch, embed_weight=embed.float(), target_lm_head_weight=lm_head.float(),
@@ -164,17 +177,29 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     steps = t["ttt_steps"]
     verify = t.get("verify_checksums", True)  # a corrupted sample stops training, named
 
+    val_cache: dict[int, dict] = {}
+
+    def val_batch(ids: list[str], bi: int) -> dict:
+        if store is not None:
+            return collate(store, ids, verify=verify)
+        if bi not in val_cache:  # online: the small held-out set is extracted once, kept in memory
+            import ray
+
+            server = online["servers"][bi % len(online["servers"])]
+            enc = ray.get(server.features.remote([windows[s][0] for s in ids]))
+            val_cache[bi] = batch_from_features(ids, enc, windows)
+        return val_cache[bi]
+
     def evaluate() -> dict[str, float]:
         """Held-out metrics over the validation split (sharded by rank, summed)."""
         model.eval()
         val = cfg["val_ids"]
-        lengths = [store._cols["num_tokens"][store._row_of[s]] for s in val]
+        lengths = [length(s) for s in val]
         batches = make_batches(lengths, t["tokens_per_batch"], seed=0)
         sums = torch.zeros(4 * steps, dtype=torch.float64)
         with torch.no_grad():
             for bi in range(rank, len(batches), world):
-                batch = {k: v.to(device) for k, v in
-                         collate(store, [val[i] for i in batches[bi]], verify=verify).items()}
+                batch = {k: v.to(device) for k, v in val_batch([val[i] for i in batches[bi]], bi).items()}
                 _, m = model(batch)
                 for j in range(steps):
                     n_trained = m[f"trained_step{j}"].double().cpu()
@@ -210,13 +235,16 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     wait_total = 0.0
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if (use_gpu and t["bf16"]) else None
     while step < t["max_steps"]:
-        rb = RankBatches(store, cfg["train_ids"], tokens_per_batch=t["tokens_per_batch"],
-                         seed=t["seed"], epoch=epoch, rank=rank, world=world, accum=t["grad_accum"],
-                         verify=verify)
+        rb = RankBatches([length(s) for s in cfg["train_ids"]], cfg["train_ids"],
+                         tokens_per_batch=t["tokens_per_batch"], seed=t["seed"], epoch=epoch,
+                         rank=rank, world=world, accum=t["grad_accum"])
         if rb.steps == 0:
             raise ValueError(f"not enough training data for one step of {world} workers x "
                              f"{t['grad_accum']} micro-batches; lower train.tokens_per_batch")
-        pre = Prefetcher(rb, step_in_epoch)
+        if online:  # every epoch extracts its batches again
+            pre = OnlineBatches(rb, step_in_epoch, online["servers"], windows, online["depth"])
+        else:
+            pre = Prefetcher(rb, step_in_epoch, lambda ids: collate(store, ids, verify=verify))
         for s_epoch, micro in pre:
             sums = torch.zeros(2 + 2 * steps, dtype=torch.float64)
             for k, batch in enumerate(micro):

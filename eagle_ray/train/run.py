@@ -80,13 +80,20 @@ def prepare_run(recipe: Recipe, store_dir: str | Path, run_dir: str | Path) -> d
     return info
 
 
-def run_train(recipe: Recipe, store_dir: str | Path, run_dir: str | Path) -> dict[str, Any]:
-    """Train (or resume) the drafter; returns the last logged metrics."""
+def run_train(recipe: Recipe, store_dir: str | Path | None, run_dir: str | Path, *,
+              conversations: str | Path | None = None) -> dict[str, Any]:
+    """Train (or resume) the drafter; returns the last logged metrics. From a store, or online
+    (store_dir None, `conversations` = a generate output): features straight from extractor
+    actors, no store (train/online.py)."""
     from eagle_ray.outputs import check_output_dir
     from eagle_ray.store.lock import store_lock
     from eagle_ray.store.reader import check_store_whole, read_manifest
 
     run = check_output_dir(Path(run_dir).resolve(), "train")  # refused before anything is written
+    if store_dir is None:
+        if conversations is None:
+            raise ValueError("train needs --store STORE (offline) or --conversations GEN_DIR (online)")
+        return _train_online(recipe, conversations, run)
     read_manifest(store_dir)  # a clear error for a path that is not a store
     # Training trusts the store only when it is whole (structural verify: index vs shards,
     # sizes, duplicates, orphans; checksums are checked as samples are read), and holds it
@@ -97,6 +104,118 @@ def run_train(recipe: Recipe, store_dir: str | Path, run_dir: str | Path) -> dic
 
 
 def _train_on_whole_store(recipe: Recipe, store_dir: str | Path, run: Path) -> dict[str, Any]:
+    from eagle_ray.store.reader import HiddenStateStore
+    from eagle_ray.train.data import check_enough_for_a_step, sample_lengths
+
+    info = prepare_run(recipe, store_dir, run)
+    _check_ids_in_store(store_dir, info)
+    t = recipe.train
+    check_enough_for_a_step(sample_lengths(HiddenStateStore(store_dir), info["train_ids"]),
+                            tokens_per_batch=t.tokens_per_batch, seed=t.seed,
+                            world=t.num_workers, accum=t.grad_accum)
+    return _fit(recipe, run, info, {"store": info["store"]})
+
+
+def prepare_run_online(recipe: Recipe, conversations: str | Path, run_dir: Path,
+                       windows: dict) -> dict[str, Any]:
+    """run.json of an online run: the split and draft vocabulary offline training would
+    compute from a store extracted from these conversations (same ids, same loss tokens)."""
+    import hashlib
+
+    import torch
+
+    from eagle_ray.model.vocab import build_draft_vocab
+    from eagle_ray.train.data import split_ids
+
+    path = run_dir / "run.json"
+    conv = Path(conversations).resolve()
+    conv_file = conv / "conversations.parquet" if conv.is_dir() else conv
+    digest = hashlib.sha256(conv_file.read_bytes()).hexdigest()
+    if path.exists():
+        info = json.loads(path.read_text())
+        if info.get("conversations_sha256") != digest:
+            raise ValueError(f"{run_dir} was started on other data; use a new --out run directory")
+        return info
+    target_dir = resolve_target_path(recipe.target)
+    arch = drafter_arch(recipe, target_dir)
+    train_ids, val_ids = split_ids(sorted(windows), recipe.train.val_fraction)
+    if not val_ids:
+        train_ids, val_ids = train_ids[1:], train_ids[:1]
+    counts = torch.zeros(arch.target_vocab_size, dtype=torch.long)
+    for sid in train_ids:
+        tok, mask, _ = windows[sid]
+        counts += torch.bincount(torch.tensor(tok)[torch.tensor(mask)], minlength=arch.target_vocab_size)
+    d2t, _ = build_draft_vocab(counts, arch.draft_vocab_size)
+    from eagle_ray.extract.run import make_manifest
+
+    gen = conv_file.parent / "manifest.json"
+    generation = None
+    if gen.exists():
+        g = json.loads(gen.read_text())
+        generation = {k: g.get(k) for k in ("mode", "sampling", "target", "vllm_version")}
+    # The identity of the features trained on, as a store extracted from these conversations
+    # would record it (export writes it into the drafter's config; no store exists).
+    manifest = make_manifest(recipe, target_dir, generation).to_dict()
+    info = {"recipe": recipe.to_dict(), "arch": asdict(arch), "online": True, "store": None,
+            "store_manifest": manifest,
+            "conversations": str(conv_file), "conversations_sha256": digest,
+            "target_dir": str(target_dir), "train_ids": train_ids, "val_ids": val_ids,
+            "d2t": d2t.tolist(), "most_common_token": int(counts.argmax()),
+            "most_common_token_share": float(counts.max() / max(1, counts.sum())),
+            "provenance": provenance()}
+    claim_output_dir(run_dir, "train")
+    atomic_write_json(path, info)
+    return info
+
+
+def _train_online(recipe: Recipe, conversations: str | Path, run: Path) -> dict[str, Any]:
+    import ray
+
+    from eagle_ray.cluster import init_ray
+    from eagle_ray.extract.run import _check_target_shape
+    from eagle_ray.train import online
+    from eagle_ray.train.data import check_enough_for_a_step
+
+    windows = online.read_windows(conversations, recipe.data.max_seq_len)
+    if not windows:
+        raise ValueError(f"{conversations} holds no ok conversation to train on")
+    info = prepare_run_online(recipe, conversations, run, windows)
+    gone = [s for s in info["train_ids"] + info["val_ids"] if s not in windows]
+    if gone:
+        raise ValueError(f"{len(gone)} sample(s) this run trains on (e.g. {gone[0]}) are no longer "
+                         f"in {conversations}; train into a new --out run directory")
+    t = recipe.train
+    check_enough_for_a_step([len(windows[s][0]) for s in info["train_ids"]],
+                            tokens_per_batch=t.tokens_per_batch, seed=t.seed,
+                            world=t.num_workers, accum=t.grad_accum, what="the conversations'")
+    model_dir = resolve_target_path(recipe.target)
+    _check_target_shape(recipe, model_dir)
+    init_ray()
+    online.check_placement(recipe, ray.nodes())
+    spilled0 = online.spilled_bytes()
+    depth = online.prefetch_depth(recipe)
+    logger.info("online training: %d extractor replica(s) + %d trainer worker(s), %d step(s) "
+                "prefetched per worker", recipe.extract.max_replicas, t.num_workers, depth)
+    servers = online.start_servers(recipe, model_dir)
+    try:
+        metrics = _fit(recipe, run, info, {"online": {
+            "servers": servers, "conversations": info["conversations"],
+            "max_seq_len": recipe.data.max_seq_len, "depth": depth}})
+    finally:
+        online.stop_servers(servers)
+    spilled1 = online.spilled_bytes()
+    spilled = (spilled1 - spilled0) if spilled0 is not None and spilled1 is not None else None
+    if spilled:
+        logger.warning("online training: Ray spilled %d bytes of objects to disk; lower "
+                       "train.online_bytes_in_flight or give the object store more memory", spilled)
+    metrics = {**metrics, "online/spilled_bytes": spilled, "online/prefetch_depth": depth}
+    atomic_write_json(run / "online.json", {"spilled_bytes": spilled, "prefetch_depth": depth,
+                                            "extractor_replicas": recipe.extract.max_replicas})
+    return metrics
+
+
+def _fit(recipe: Recipe, run: Path, info: dict, data: dict) -> dict[str, Any]:
+    """Ray Train over the run's data source (`data`: {"store": path} or {"online": {...}})."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
@@ -105,30 +224,25 @@ def _train_on_whole_store(recipe: Recipe, store_dir: str | Path, run: Path) -> d
     from eagle_ray.train.checkpoint import newest_loadable
     from eagle_ray.train.loop import train_loop_per_worker
 
-    info = prepare_run(recipe, store_dir, run)
-    _check_ids_in_store(store_dir, info)
-    from eagle_ray.store.reader import HiddenStateStore
-    from eagle_ray.train.data import check_enough_for_a_step
-
     t = recipe.train
-    check_enough_for_a_step(HiddenStateStore(store_dir), info["train_ids"],
-                            tokens_per_batch=t.tokens_per_batch, seed=t.seed,
-                            world=t.num_workers, accum=t.grad_accum)
     resume = newest_loadable(run)  # skips (with a warning) checkpoints that do not load
     resume_step = json.loads((resume / "state.json").read_text())["step"] if resume else None
     _truncate_metrics(run / "metrics.jsonl", resume_step)
     from eagle_ray.cluster import init_ray
 
-    # Ray Train's state tracking (read by the trainer in this process): the dashboard's Train
-    # page then lists the run, its workers and their state. Off by default in Ray 2.60.
-    os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
     init_ray()
+    # Ray Train's state tracking (read by the trainer in this process): the dashboard's Train
+    # page then lists the run, its workers and their state. Off by default in Ray 2.60; on
+    # here when the cluster has a dashboard (its state actor polls the dashboard's API and
+    # fills the log with connection errors without one).
+    if _dashboard_url():
+        os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
     use_gpu = t.use_gpu and ray.cluster_resources().get("GPU", 0) >= t.num_workers
     if t.use_gpu and not use_gpu:
         raise ValueError(f"recipe {recipe.name} trains on {t.num_workers} GPU workers but the Ray "
                          f"cluster has {ray.cluster_resources().get('GPU', 0):g} GPUs; use "
                          "--set train.use_gpu=false (CPU, gloo) or add GPUs")
-    cfg = {"run_dir": str(run), "store": info["store"], "target_dir": info["target_dir"],
+    cfg = {"run_dir": str(run), **data, "target_dir": info["target_dir"],
            "arch": info["arch"], "d2t": info["d2t"], "train_ids": info["train_ids"],
            "val_ids": info["val_ids"], "resume_from": str(resume) if resume else None,
            "train": {**asdict(t), "use_gpu": use_gpu, "ttt_steps": recipe.drafter.ttt_steps},
@@ -150,6 +264,15 @@ def _train_on_whole_store(recipe: Recipe, store_dir: str | Path, run: Path) -> d
         raise fault from e
     lines = (run / "metrics.jsonl").read_text().splitlines()
     return json.loads(lines[-1]) if lines else {}
+
+
+def _dashboard_url() -> str | None:
+    try:
+        import ray._private.worker
+
+        return ray._private.worker.get_dashboard_url() or None
+    except Exception:
+        return None
 
 
 def _trainer_class():

@@ -1,0 +1,250 @@
+"""Online training: the target's features go from extractor actors through Ray's object store
+straight into the Ray Train workers; no hidden state is written to disk.
+
+    generate/conversations.parquet (token ids only) ─▶ every worker: its batch plan
+    worker, step s ─ features.remote(token ids of its micro-batches) ─▶ FeatureServer actors
+                    (the target's prefill, as `eagle-ray extract` runs it: same backend,
+                     same window, features encoded in storage.dtype, as a store holds them)
+                  ◀─ object refs (object store) ── decoded, collated, trained on
+
+Why actors the workers call, and not Ray Data's `get_dataset_shard`: a streaming split hands
+blocks to whichever worker asks first, so which samples a rank trains on, and in what order,
+would depend on timing. Here every rank computes the same batch plan as offline training
+(`RankBatches`: the same samples, the same micro-batches, the same steps) and asks for
+exactly its micro-batches, a few steps ahead. Consequences:
+  - the data position is the offline one, (epoch, step): a resumed run re-extracts the
+    batches from the checkpoint's step on, and no sample is trained twice in an epoch;
+  - every epoch extracts again (nothing is kept but the small validation set, in memory);
+  - bytes in flight are bounded: at most `depth` steps requested ahead plus one queued
+    (depth from train.online_bytes_in_flight), so the object store holds O(depth) steps'
+    features, never the data set; spilling would be a store by the back door, and the driver
+    reports any (run.json "online" -> spilled_bytes).
+Same model code, loss, checkpoints and metrics as offline (train/loop.py); only where a
+micro-batch's features come from differs.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def read_windows(conversations: str | Path, max_seq_len: int) -> dict[str, tuple[list[int], list[bool], int]]:
+    """sample id -> (input_ids, loss_mask, untruncated length) of every ok conversation: the
+    training window exactly as `eagle-ray extract` cuts it (extract/stage.py: window)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from eagle_ray.extract.stage import window
+
+    path = Path(conversations)
+    if path.is_dir():
+        path = path / "conversations.parquet"
+    t = pq.read_table(path, columns=["sample_id", "status", "prompt_token_ids",
+                                     "completion_token_ids"])
+    t = t.filter(pc.equal(t.column("status"), "ok"))
+    out = {}
+    for sid, p, c in zip(t.column("sample_id").to_pylist(), t.column("prompt_token_ids").to_pylist(),
+                         t.column("completion_token_ids").to_pylist()):
+        ids, mask, n = window(p, c, max_seq_len)
+        out[sid] = (ids.tolist(), mask.tolist(), n)
+    return out
+
+
+class FeatureServer:
+    """Ray actor: the target loaded once (the recipe's extraction backend); returns the
+    features of token sequences encoded as a store would hold them."""
+
+    def __init__(self, recipe, model_path: str):
+        from eagle_ray.extract.stage import make_backend
+
+        self.backend = make_backend(recipe, model_path)
+        self.dtype = recipe.storage.dtype
+        self.n_aux = len(recipe.target.resolved_aux_layer_ids)
+
+    def ready(self) -> bool:
+        return True
+
+    def features(self, sequences: list[list[int]]) -> list[dict]:
+        from eagle_ray.metrics import InFlight, record
+        from eagle_ray.store.writer import encode
+
+        with InFlight("extract"):
+            feats = self.backend.capture(sequences)
+            out = [encode(aux, final, self.dtype, self.n_aux) for aux, final in feats]
+        record("eagle_ray_tokens_committed", sum(len(s) for s in sequences), stage="online")
+        record("eagle_ray_samples_committed", len(sequences), stage="online")
+        return out
+
+
+def start_servers(recipe, model_dir: Path, timeout_s: float = 900.0) -> list:
+    """extract.max_replicas FeatureServer actors (named `online-extractor-N:<job>` in the
+    eagle_ray namespace), started and loaded before training starts."""
+    import ray
+
+    from eagle_ray.control import NAMESPACE, job_key
+    from eagle_ray.engine import ENGINE_ENV
+
+    e, tp = recipe.extract, recipe.target.tensor_parallel_size
+    gpus = 1 if e.gpus_per_replica > 0 and tp == 1 else 0  # TP > 1: vLLM's executor places them
+    cls = ray.remote(FeatureServer)
+    key = job_key()
+    servers = [cls.options(name=f"online-extractor-{i}:{key}", namespace=NAMESPACE,
+                           num_cpus=e.num_cpus_per_replica, num_gpus=gpus, max_restarts=0,
+                           runtime_env={"env_vars": ENGINE_ENV}).remote(recipe, str(model_dir))
+               for i in range(e.max_replicas)]
+    try:
+        ray.get([s.ready.remote() for s in servers], timeout=timeout_s)
+    except BaseException:
+        stop_servers(servers)
+        raise
+    return servers
+
+
+def stop_servers(servers: Sequence) -> None:
+    import ray
+
+    for s in servers:
+        try:
+            ray.kill(s)
+        except Exception:
+            pass
+
+
+def check_placement(recipe, nodes: list[dict]) -> None:
+    """Refuse, naming what is missing, when extractors and trainers cannot run at once.
+    `nodes`: `ray.nodes()` entries (alive ones count)."""
+    t, e = recipe.train, recipe.extract
+    tp = recipe.target.tensor_parallel_size
+    alive = [n for n in nodes if n.get("Alive", n.get("alive", True))]
+    gpus_per_node = [int(n.get("Resources", {}).get("GPU", 0)) for n in alive]
+    if not t.use_gpu and e.gpus_per_replica == 0:
+        return
+    ext_gpus = e.max_replicas * (tp if e.gpus_per_replica > 0 else 0)
+    train_gpus = t.num_workers if t.use_gpu else 0
+    if tp > 1 and e.gpus_per_replica > 0 and train_gpus:
+        # A TP group lives on one node; if it fills that node, the trainers need other nodes.
+        fitting = [g for g in gpus_per_node if g >= tp]
+        if not fitting:
+            raise ValueError(f"online training with {recipe.name}: the target needs a node with "
+                             f"{tp} GPUs (TP={tp}); the cluster's nodes have {gpus_per_node} GPUs")
+        spare = sum(gpus_per_node) - tp * e.max_replicas
+        if max(gpus_per_node) <= tp and spare < train_gpus:
+            raise ValueError(
+                f"online training with {recipe.name} needs a second node: the target takes all "
+                f"{tp} GPUs of a node (TP={tp}) for the extractor, and the {train_gpus} trainer "
+                f"workers need {train_gpus} more GPUs on other nodes (the cluster has "
+                f"{len(alive)} node(s) with {gpus_per_node} GPUs). Add a GPU worker node "
+                "(cluster.yaml: worker_8gpu), or train offline from a store "
+                "(eagle-ray extract, then eagle-ray train --store)")
+    total = sum(gpus_per_node)
+    if ext_gpus + train_gpus > total:
+        raise ValueError(
+            f"online training with {recipe.name} runs {e.max_replicas} extractor replica(s) "
+            f"x {tp if e.gpus_per_replica else 0} GPU(s) and {train_gpus} trainer GPU(s) at once: "
+            f"{ext_gpus + train_gpus} GPUs, the cluster has {total}. Lower extract.max_replicas "
+            "or train.num_workers (e.g. 4 + 4 on one 8-GPU node)")
+
+
+def feature_bytes_per_token(hidden: int, n_aux: int, dtype: str) -> int:
+    per = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1}[dtype]
+    return (n_aux + 1) * hidden * per + (4 * n_aux + 4 if dtype == "fp8_e4m3" else 0)
+
+
+def prefetch_depth(recipe) -> int:
+    """Steps requested ahead so that about train.online_bytes_in_flight bytes of features are
+    in flight per worker (at least 1)."""
+    t = recipe.train
+    per_step = t.tokens_per_batch * t.grad_accum * feature_bytes_per_token(
+        recipe.target.hidden_size, len(recipe.target.resolved_aux_layer_ids), recipe.storage.dtype)
+    return max(1, min(8, t.online_bytes_in_flight // max(1, per_step) - 1))
+
+
+class OnlineBatches:
+    """Worker side: the micro-batches of steps [start, rb.steps) of one rank, requested from
+    the FeatureServers `depth` steps ahead; iterates like train.data.Prefetcher."""
+
+    def __init__(self, rb, start_step: int, servers: Sequence, windows: dict, depth: int):
+        self.q: queue.Queue = queue.Queue(maxsize=1)
+        self.wait_s = 0.0
+        self.rb, self.servers, self.windows, self.depth = rb, list(servers), windows, depth
+        self._t = threading.Thread(target=self._run, args=(start_step,), daemon=True)
+        self._t.start()
+
+    def _submit(self, step: int):
+        rb = self.rb
+        refs = []
+        for k, mb in enumerate(rb.micro_batches(step)):
+            g = step * rb.world * rb.accum + rb.rank * rb.accum + k  # spreads ranks over servers
+            server = self.servers[g % len(self.servers)]
+            refs.append((mb, server.features.remote([self.windows[s][0] for s in mb])))
+        return step, refs
+
+    def _collect(self, item):
+        import ray
+
+        step, refs = item
+        return step, [batch_from_features(mb, ray.get(ref), self.windows) for mb, ref in refs]
+
+    def _run(self, start: int) -> None:
+        try:
+            inflight: collections.deque = collections.deque()
+            for step in range(start, self.rb.steps):
+                inflight.append(self._submit(step))
+                if len(inflight) >= self.depth:
+                    self.q.put(self._collect(inflight.popleft()))
+            while inflight:
+                self.q.put(self._collect(inflight.popleft()))
+        except BaseException as e:  # a dead extractor stops training with its error
+            self.q.put(e)
+            return
+        self.q.put(None)
+
+    def __iter__(self):
+        while True:
+            t0 = time.perf_counter()
+            item = self.q.get()
+            self.wait_s += time.perf_counter() - t0
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+def batch_from_features(ids: Sequence[str], encoded: list[dict], windows: dict) -> dict[str, Any]:
+    """Collated batch of micro-batch `ids` from the servers' encoded features."""
+    import torch
+
+    from eagle_ray.store.batch import collate_samples
+    from eagle_ray.store.reader import decode
+
+    samples = []
+    for sid, enc in zip(ids, encoded):
+        tok, mask, _ = windows[sid]
+        if enc["aux"].shape[0] != len(tok):
+            raise RuntimeError(f"extractor returned {enc['aux'].shape[0]} positions for sample "
+                               f"{sid} of {len(tok)} tokens")
+        samples.append(decode({**enc, "input_ids": torch.tensor(tok),
+                               "loss_mask": torch.tensor(mask)}))
+    return collate_samples(samples)
+
+
+def spilled_bytes() -> int | None:
+    """Bytes Ray has spilled from the object store to disk in this cluster session."""
+    try:
+        import ray
+        from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+        reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
+        return int(reply.store_stats.spilled_bytes_total)
+    except Exception as e:
+        logger.debug("spilled bytes unavailable: %r", e)
+        return None
