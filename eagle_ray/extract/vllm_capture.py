@@ -145,6 +145,37 @@ class CaptureWorkerExtension:
         return type(norm).__name__
 
 
+def transfer_dir() -> str | None:
+    """Where the connector's per-request state files pass (written by vLLM's worker, read and
+    deleted by `capture` at once): a RAM-backed /dev/shm when there is one with room (the
+    states never touch a disk, and no disk I/O is paid), else the system temp directory.
+    EAGLE_RAY_CAPTURE_DIR overrides."""
+    forced = os.environ.get("EAGLE_RAY_CAPTURE_DIR")
+    if forced:
+        return forced
+    try:
+        if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free >= 2 << 30:
+            return "/dev/shm"
+    except OSError:
+        pass
+    return None
+
+
+def _sweep_stale(base: str) -> None:
+    """Remove transfer directories of processes that are gone (an actor killed by Ray never
+    runs its cleanup); the name carries the owner's pid."""
+    import glob
+
+    for d in glob.glob(os.path.join(base, "eagle_ray_vcap_*_*")):
+        try:
+            pid = int(os.path.basename(d).split("_")[3])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError, OSError):
+            continue
+
+
 class VllmCapture:
     """A vLLM engine that returns EAGLE-3 features for token-id sequences (see module doc).
 
@@ -183,7 +214,9 @@ class VllmCapture:
         if has_kv_transfer_group():  # see eagle_ray_install_final_norm
             raise RuntimeError("an in-process vLLM engine with a KV connector is alive in this "
                                "process: close it before building a VllmCapture")
-        self._dir = tempfile.mkdtemp(prefix="eagle_ray_vcap_")
+        base = transfer_dir()
+        _sweep_stale(base or tempfile.gettempdir())
+        self._dir = tempfile.mkdtemp(prefix=f"eagle_ray_vcap_{os.getpid()}_", dir=base)
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True)
         kw.setdefault("enable_prefix_caching", False)
         kw.update(

@@ -72,6 +72,11 @@ class FeatureServer:
     def ready(self) -> bool:
         return True
 
+    def close(self) -> None:
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
+
     def features(self, sequences: list[list[int]]) -> list[dict]:
         from eagle_ray.metrics import InFlight, record
         from eagle_ray.store.writer import encode
@@ -111,6 +116,10 @@ def start_servers(recipe, model_dir: Path, timeout_s: float = 900.0) -> list:
 def stop_servers(servers: Sequence) -> None:
     import ray
 
+    try:  # let each engine shut down and remove its transfer directory, then end them
+        ray.get([s.close.remote() for s in servers], timeout=60)
+    except Exception as e:
+        logger.debug("extractor close: %r", e)
     for s in servers:
         try:
             ray.kill(s)

@@ -1,0 +1,94 @@
+"""Online training (`eagle-ray train --conversations`): the features come from extractor
+actors through the object store, never from a store on disk. Same samples and steps as an
+offline run: the same held-out accuracy and the same online acceptance in vLLM."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from eagle_ray.config import load_recipe
+
+pytestmark = pytest.mark.integration
+
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+
+SETS = ["generate.mode=keep_logged", "storage.dtype=fp32", "data.max_seq_len=128",
+        "train.num_workers=2", "train.max_steps=40", "train.eval_interval=40",
+        "train.ckpt_interval=40", "train.log_interval=10", "train.cpus_per_worker=0.5",
+        "extract.num_cpus_per_replica=0.5", "extract.max_replicas=2"]
+
+
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+
+def test_online_equals_offline_and_writes_no_features(tmp_path, ray_cluster, make_logged_store):
+    from eagle_ray.evaluate.acceptance import online_run_isolated, prompts_from_ingest
+    from eagle_ray.engine import engine_kwargs
+    from eagle_ray.export.drafter import export_drafter
+    from eagle_ray.extract.vllm_capture import transfer_dir
+    from eagle_ray.train.run import run_train
+    from transformers import AutoTokenizer
+
+    r = load_recipe("tiny_cpu", SETS)
+    store = make_logged_store(tmp_path, 400, 7, r)
+    conv = tmp_path / "conv"
+    off = run_train(r, store, tmp_path / "off")
+
+    before = _files(tmp_path)
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    on = run_train(r, None, tmp_path / "on", conversations=conv)
+    new = _files(tmp_path) - before
+    # Nothing but the run directory was written, and no hidden state in it: no store, no shard.
+    assert all(f.startswith("on/") for f in new), sorted(new)[:5]
+    assert not any("shard" in f or f.startswith("on/store") for f in new)
+    assert on["online/spilled_bytes"] == 0  # the object store never spilled to disk
+    # vLLM's per-request state files went through RAM (/dev/shm), and none is left there.
+    if transfer_dir() == "/dev/shm":
+        left = [str(p) for d in set(os.listdir("/dev/shm")) - shm_before
+                for p in Path("/dev/shm", d).rglob("*") if p.is_file()]
+        assert left == []
+
+    # Same samples, same steps: held-out accuracy within 0.05 (the batch plan is the same).
+    assert on["step"] == off["step"] == 40
+    assert abs(on["val/acc_step0"] - off["val/acc_step0"]) <= 0.05, (on, off)
+
+    # Exported drafters served by vLLM: online acceptance within 0.3 of each other.
+    d_off = export_drafter(tmp_path / "off", tmp_path / "drafter_off")
+    d_on = export_drafter(tmp_path / "on", tmp_path / "drafter_on")
+    from eagle_ray.config import resolve_target_path
+
+    model = str(resolve_target_path(r.target))
+    tok = AutoTokenizer.from_pretrained(model)
+    import json
+
+    prompts = prompts_from_ingest(tmp_path / "prompts", tok, 24,
+                                  exclude_ids=set(json.loads(
+                                      (tmp_path / "off" / "run.json").read_text())["train_ids"]))
+    ekw = engine_kwargs(r, model)
+    al = {}
+    for name, d in (("offline", d_off), ("online", d_on)):
+        res = online_run_isolated(ekw, prompts, 48, {"method": "eagle3", "model": str(d),
+                                                     "num_speculative_tokens": 3})
+        al[name] = res["mean_acceptance_length"]
+    print("online training: val acc0", on["val/acc_step0"], "offline", off["val/acc_step0"],
+          "; vLLM mean acceptance length", al, "; tokens/s online", on["train/tokens_per_s"],
+          "offline", off["train/tokens_per_s"])
+    assert abs(al["online"] - al["offline"]) <= 0.3, al
+    assert al["online"] > 1.3, al  # it learned something
+
+
+def test_whole_node_target_refuses_one_node():
+    from eagle_ray.train.online import check_placement
+
+    kimi = load_recipe("kimi_k25_8gpu")
+    one = [{"Alive": True, "Resources": {"GPU": 8, "CPU": 192}}]
+    with pytest.raises(ValueError, match="second node"):
+        check_placement(kimi, one)
+    check_placement(kimi, one + [{"Alive": True, "Resources": {"GPU": 8, "CPU": 192}}])
+    llama = load_recipe("llama31_8b_8gpu", ["extract.max_replicas=4", "train.num_workers=4"])
+    check_placement(llama, one)  # 4 extractors + 4 trainers on one 8-GPU node
+    with pytest.raises(ValueError, match="9 GPUs"):
+        check_placement(load_recipe("llama31_8b_8gpu", ["extract.max_replicas=5",
+                                                        "train.num_workers=4"]), one)
