@@ -353,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="verify serving feeds the drafter the features it was trained on")
     _add_recipe_args(p)
     p.add_argument("--drafter", required=True)
-    p.add_argument("--store", required=True)
+    p.add_argument("--store", help="the store it was trained on (omit for a drafter trained "
+                                   "online: its features are captured again from its run's data)")
     p.add_argument("--target", help="target model directory (default: the recipe's target)")
     p.add_argument("--static-only", action="store_true", help="config checks only (no vLLM)")
     p.set_defaults(fn=cmd_check)

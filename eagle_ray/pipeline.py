@@ -69,7 +69,10 @@ def _skip(step: str, where: Path) -> None:
     print(f"{step}: complete in {where}, skipped")
 
 
-def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> dict:
+def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path, *,
+                   online: bool = False) -> dict:
+    """The steps above. `online`: no store: generate, then train with features streamed from
+    extractor actors (train/online.py); check captures its reference features again."""
     from eagle_ray.data.ingest import SourceSpec, ingest
     from eagle_ray.data.stats import compute_stats, format_stats, token_lengths
     from eagle_ray.data.tokenize import length_annotator
@@ -112,28 +115,42 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
     from eagle_ray.stream import run_generate_extract
 
     t0 = time.time()
-    before = len(committed_ids(out / "store")) if (out / "store" / "manifest.json").exists() else 0
-    # Streamed: one Ray Data pipeline; separate generation and extractor pools, or one
-    # colocated engine per replica for a target that takes the whole node (the recipe's
-    # extract.placement). Both resume per sample and start no Ray work when nothing is left.
-    st = run_generate_extract(recipe, out / "ingest", out / "generate", out / "store")
-    n_gen, n_ext, n_tok = st.generated, st.extracted, st.tokens
-    mode = f"streamed, {recipe.extract.placement}"
-    if n_gen or n_ext:
-        ran.append("generate+extract")
+    if online:
+        from eagle_ray.generate.run import run_generate
+
+        if (out / "store").exists():
+            raise ValueError(f"{out} holds a store from an offline run; use a new --out for --online")
+        n_gen = run_generate(recipe, out / "ingest", out / "generate").generated
+        n_ext = n_tok = before = 0
+        mode = "generate only: online training extracts as it trains"
+        check = {"ok": True, "samples": 0, "shards": 0, "problems": [], "online": True}
+        if n_gen:
+            ran.append("generate")
+    else:
+        before = len(committed_ids(out / "store")) if (out / "store" / "manifest.json").exists() else 0
+        # Streamed: one Ray Data pipeline; separate generation and extractor pools, or one
+        # colocated engine per replica for a target that takes the whole node (the recipe's
+        # extract.placement). Both resume per sample and start no Ray work when nothing is left.
+        st = run_generate_extract(recipe, out / "ingest", out / "generate", out / "store")
+        n_gen, n_ext, n_tok = st.generated, st.extracted, st.tokens
+        mode = f"streamed, {recipe.extract.placement}"
+        check = verify_store(out / "store")
+        if n_gen or n_ext:
+            ran.append("generate+extract")
     # One wall time for both steps when streamed.
     timings["generate"] = timings["extract"] = timings["generate_extract"] = time.time() - t0
     gen_counts = (_json(out / "generate" / "manifest.json") or {}).get("counts", {})
-    check = verify_store(out / "store")
     if not (n_gen or n_ext):
         _skip("generate", out / "generate")
-        _skip("extract", out / "store")
+        if not online:
+            _skip("extract", out / "store")
+    store_line = ("no store (online)" if online else
+                  f"store verify: {check['samples']:,} samples in {check['shards']:,} shards, "
+                  f"{'OK' if check['ok'] else 'PROBLEMS: ' + str(check['problems'][:3])}")
     print(f"generate+extract ({mode}): {n_gen:,} conversations generated, {n_ext:,} samples "
           f"({n_tok:,} tokens) extracted this run ({before:,} already in the store); "
           f"{gen_counts.get('ok', 0):,} conversations, {gen_counts.get('rejected', 0):,} rejected "
-          f"-> {out / 'generate'}; store verify: {check['samples']:,} samples in "
-          f"{check['shards']:,} shards, "
-          f"{'OK' if check['ok'] else 'PROBLEMS: ' + str(check['problems'][:3])}")
+          f"-> {out / 'generate'}; {store_line}")
     gen_stats = compute_stats(out / "generate")
     print(format_stats(gen_stats))
 
@@ -144,7 +161,8 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
         _skip("train", out / "train")
         train = _last_metrics(out / "train")
     else:
-        train = run_train(recipe, out / "store", out / "train")
+        train = (run_train(recipe, None, out / "train", conversations=out / "generate") if online
+                 else run_train(recipe, out / "store", out / "train"))
         ran.append("train")
     timings["train"] = time.time() - t0
     print(f"train: step {train.get('step')}, held-out step-0 accuracy "
@@ -166,7 +184,7 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
     if chk_details.get("ok"):
         _skip("check", out / CHECK_FILE)
     else:
-        chk = run_check(recipe, drafter, out / "store")
+        chk = run_check(recipe, drafter, None if online else out / "store")
         if not chk.ok:
             raise ValueError("check failed: " + "; ".join(chk.problems))
         chk_details = {"ok": True, **chk.details}
@@ -181,7 +199,8 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path) -> di
         ev = run_evaluate(recipe, drafter, out / "ingest", out / "evaluate")
         ran.append("evaluate")
     timings["export_check_evaluate"] = time.time() - t0
-    print(f"evaluate: mean acceptance length offline {ev['offline']['mean_acceptance_length']:.2f}, "
+    offline_al = f"{ev['offline']['mean_acceptance_length']:.2f}" if ev["offline"] else "n/a (online)"
+    print(f"evaluate: mean acceptance length offline {offline_al}, "
           f"online {ev['online']['mean_acceptance_length']:.2f}, untrained "
           f"{ev['untrained']['mean_acceptance_length']:.2f}, n-gram {ev['ngram']['mean_acceptance_length']:.2f}; "
           f"outputs identical {ev['outputs_identical']} -> {out / 'evaluate' / 'report.md'}")

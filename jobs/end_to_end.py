@@ -18,10 +18,13 @@ def main(argv=None) -> int:
     p.add_argument("--data", action="append", metavar="PATH[:COUNT_OR_FRACTION]",
                    help="conversation logs to mix (default: the bundled sample data set)")
     p.add_argument("--out", default="out/run")
+    p.add_argument("--online", action="store_true",
+                   help="train online: features from extractor actors, no hidden-state store")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        run_end_to_end(load_recipe(args.recipe, args.set), args.data or SAMPLE_DATA, args.out)
+        run_end_to_end(load_recipe(args.recipe, args.set), args.data or SAMPLE_DATA, args.out,
+                       online=args.online)
     except (ValueError, FileNotFoundError) as e:
         print(f"end_to_end: error: {e}", file=sys.stderr)
         return 2

@@ -228,18 +228,74 @@ def runtime_check(drafter_dir: str | Path, target_dir: str | Path, store, engine
     return r
 
 
-def run_check(recipe, drafter_dir: str | Path, store_dir: str | Path,
+class CapturedSamples:
+    """The store interface `runtime_check` reads (`manifest`, `get(i)`), for a drafter trained
+    online: the reference features of a few conversations captured now, by the recipe's
+    extraction backend, and passed through the storage dtype as training received them."""
+
+    def __init__(self, recipe, manifest, conversations: str | Path, sample_ids: list[str],
+                 model_dir: str | Path):
+        from eagle_ray.extract.stage import make_backend
+        from eagle_ray.store.reader import decode
+        from eagle_ray.store.writer import encode
+        from eagle_ray.train.online import read_windows
+
+        import torch
+
+        self.manifest = manifest
+        windows = read_windows(conversations, recipe.data.max_seq_len)
+        ids = [s for s in sample_ids if s in windows][:2]
+        if not ids:
+            raise ValueError(f"none of the run's held-out samples is in {conversations}")
+        backend = make_backend(recipe, str(model_dir))
+        try:
+            feats = backend.capture([windows[s][0] for s in ids])
+        finally:
+            close = getattr(backend, "close", None)
+            if close is not None:
+                close()
+        self.samples = []
+        for sid, (aux, final) in zip(ids, feats):
+            tok, mask, _ = windows[sid]
+            enc = encode(aux, final, manifest.dtype, len(manifest.aux_layer_ids))
+            self.samples.append(decode({**enc, "input_ids": torch.tensor(tok),
+                                        "loss_mask": torch.tensor(mask)}))
+
+    def get(self, i: int | str = 0) -> dict:
+        return self.samples[int(i) if not isinstance(i, str) else 0]
+
+
+def run_check(recipe, drafter_dir: str | Path, store_dir: str | Path | None,
               target_dir: str | Path | None = None, *, runtime: bool = True) -> CheckResult:
+    """Static and runtime checks of an exported drafter against the features it was trained
+    on: a store's, or (store_dir None: trained online) its run's recorded feature identity and
+    features captured now from its conversations."""
+    import json
+
     from eagle_ray.config import resolve_target_path
     from eagle_ray.engine import engine_kwargs
     from eagle_ray.export.drafter import read_drafter_config
+    from eagle_ray.store.format import StoreManifest
     from eagle_ray.store.reader import HiddenStateStore
 
     cfg = read_drafter_config(drafter_dir)
-    store = HiddenStateStore(store_dir)
-    result = static_check(cfg, store.manifest)
+    tdir = Path(target_dir) if target_dir else resolve_target_path(recipe.target)
+    if store_dir is not None:
+        store = HiddenStateStore(store_dir)
+        manifest = store.manifest
+    else:
+        run_dir = Path((cfg.get("eagle_ray") or {}).get("run_dir", ""))
+        if not (run_dir / "run.json").exists():
+            raise ValueError(f"{drafter_dir} names no training run; pass --store")
+        info = json.loads((run_dir / "run.json").read_text())
+        if not info.get("online"):
+            raise ValueError(f"{run_dir} was trained from the store {info.get('store')}; pass --store")
+        manifest = StoreManifest.from_dict(info["store_manifest"])
+        store = None
+    result = static_check(cfg, manifest)
     if result.ok and runtime:
-        tdir = Path(target_dir) if target_dir else resolve_target_path(recipe.target)
+        if store is None:
+            store = CapturedSamples(recipe, manifest, info["conversations"], info["val_ids"], tdir)
         rt = runtime_check(drafter_dir, tdir, store, engine_kwargs(recipe, str(tdir)))
         result.details.update(rt.details)
         for p in rt.problems:

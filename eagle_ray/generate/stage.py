@@ -199,12 +199,13 @@ class GenerateUDF(_Regenerate):
 
     def __init__(self, recipe, model_path: str):
         super().__init__(recipe, model_path)
+        import atexit
+
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
         from eagle_ray.engine import engine_kwargs
-
-        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
         # vLLM's engine metrics (queue, KV cache, throughput, latencies) into Ray's metrics:
         # the dashboard and Grafana show them next to eagle_ray's (`ray_vllm_*`).
@@ -214,10 +215,18 @@ class GenerateUDF(_Regenerate):
         self._init_sampling(self.engine.model_config.max_model_len)
         self._seq = 0
 
-    def __del__(self):
+        # Shut the engine down when the actor exits, before vLLM's own exit hook kills the
+        # engine-core process under a still-running output handler (which logs a spurious
+        # EngineDeadError traceback into the job's log). atexit hooks run last-in first-out.
+        atexit.register(self.close)
+
+    def close(self) -> None:
         engine = self.__dict__.pop("engine", None)
         if engine is not None:
-            engine.shutdown()  # the engine-core process
+            try:
+                engine.shutdown()  # the engine-core process
+            except Exception as e:  # at interpreter exit vLLM's modules may be half torn down
+                logger.debug("engine shutdown: %r", e)
 
     async def __call__(self, batch: pa.Table):
         from vllm.inputs import TokensPrompt

@@ -134,6 +134,14 @@ def check_placement(recipe, nodes: list[dict]) -> None:
     tp = recipe.target.tensor_parallel_size
     alive = [n for n in nodes if n.get("Alive", n.get("alive", True))]
     gpus_per_node = [int(n.get("Resources", {}).get("GPU", 0)) for n in alive]
+    cpus = sum(float(n.get("Resources", {}).get("CPU", 0)) for n in alive)
+    need_cpus = e.max_replicas * e.num_cpus_per_replica + t.num_workers * t.cpus_per_worker
+    if need_cpus > cpus:
+        raise ValueError(
+            f"online training runs {e.max_replicas} extractor(s) x {e.num_cpus_per_replica:g} CPU "
+            f"and {t.num_workers} trainer(s) x {t.cpus_per_worker:g} CPU at once: {need_cpus:g} "
+            f"CPUs, the cluster has {cpus:g}. Lower extract.max_replicas, "
+            "extract.num_cpus_per_replica or train.cpus_per_worker")
     if not t.use_gpu and e.gpus_per_replica == 0:
         return
     ext_gpus = e.max_replicas * (tp if e.gpus_per_replica > 0 else 0)

@@ -57,6 +57,13 @@ def test_online_equals_offline_and_writes_no_features(tmp_path, ray_cluster, mak
     # Exported drafters served by vLLM: online acceptance within 0.3 of each other.
     d_off = export_drafter(tmp_path / "off", tmp_path / "drafter_off")
     d_on = export_drafter(tmp_path / "on", tmp_path / "drafter_on")
+    # check without a store: a held-out sample's features are captured again and compared
+    # with what vLLM feeds the online-trained drafter.
+    from eagle_ray.evaluate.check import run_check
+
+    chk = run_check(r, d_on, None)
+    assert chk.ok, chk.problems
+    assert chk.details["tokens_compared"] > 0
     from eagle_ray.config import resolve_target_path
 
     model = str(resolve_target_path(r.target))
@@ -84,6 +91,11 @@ def test_whole_node_target_refuses_one_node():
 
     kimi = load_recipe("kimi_k25_8gpu")
     one = [{"Alive": True, "Resources": {"GPU": 8, "CPU": 192}}]
+    tiny = load_recipe("tiny_cpu")
+    check_placement(tiny, [{"Alive": True, "Resources": {"CPU": 2}}])  # 2 x 0.5 + 0.5 CPUs
+    with pytest.raises(ValueError, match="CPUs"):
+        check_placement(load_recipe("tiny_cpu", ["extract.max_replicas=3"]),
+                        [{"Alive": True, "Resources": {"CPU": 2}}])
     with pytest.raises(ValueError, match="second node"):
         check_placement(kimi, one)
     check_placement(kimi, one + [{"Alive": True, "Resources": {"GPU": 8, "CPU": 192}}])
