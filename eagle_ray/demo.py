@@ -23,6 +23,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="out/demo")
     p.add_argument("--recipe", default="tiny_cpu")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    p.add_argument("--online", action="store_true", help="train online (no hidden-state store)")
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
 
@@ -38,9 +39,12 @@ def main(argv=None) -> int:
         print(f"demo: Ray dashboard: {address}", flush=True)
         sid = f"eagle-ray-demo-{uuid.uuid4().hex[:8]}"
         t0 = time.time()
-        launch.submit(launch.job_args(out, recipe=args.recipe, sets=args.set), address, sid)
+        launch.submit(launch.job_args(out, recipe=args.recipe, sets=args.set, online=args.online),
+                      address, sid)
         print(f"demo: submitted job {sid}; following its logs (Ctrl-C stops following, not the job)",
               flush=True)
+        print(f"demo: resize the extractor pool while it runs: .venv/bin/eagle-ray scale extract 2 "
+              f"--job {sid}" + (f" --address {head.gcs_address}" if head else ""), flush=True)
         try:
             launch.ray_job(["logs", "--follow", sid], address)
         except KeyboardInterrupt:

@@ -102,7 +102,7 @@ def runtime_env(env_vars: dict | None = None) -> dict:
 
 
 def job_args(out_dir: str | Path, *, recipe: str = "tiny_cpu", sets: list[str] = (),
-             data: list[str] = ()) -> list[str]:
+             data: list[str] = (), online: bool = False) -> list[str]:
     """The job's entrypoint: this environment's interpreter running jobs/end_to_end.py."""
     args = [sys.executable, "-m", "jobs.end_to_end", "--recipe", recipe,
             "--out", str(Path(out_dir).resolve())]
@@ -110,6 +110,8 @@ def job_args(out_dir: str | Path, *, recipe: str = "tiny_cpu", sets: list[str] =
         args += ["--set", s]
     for d in data:
         args += ["--data", d]
+    if online:
+        args.append("--online")
     return args
 
 
