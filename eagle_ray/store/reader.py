@@ -156,8 +156,6 @@ class HiddenStateStore:
         decoded to `dtype` (default float32); `verify` checks the sample's checksum the first
         time this object reads it (later epochs re-read the same bytes: ~1.3 GB/s of blake2b
         per worker is paid once, bench/bench_store.py)."""
-        import torch
-
         from eagle_ray.store.writer import tensor_bytes
 
         raw = self.raw(key)

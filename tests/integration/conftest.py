@@ -6,6 +6,7 @@ import pytest
 os.environ.setdefault("RAY_DATA_EXECUTION_NO_PROGRESS_TIMEOUT_S", "300")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +42,46 @@ def logged_store(d, n: int, seed: int, recipe):
 @pytest.fixture(scope="session")
 def make_logged_store():
     return logged_store
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory, ray_cluster):
+    """The whole pipeline once per session on the Kimi-K2.5 twin (`tiny_kimi_cpu`: the
+    production Kimi recipe with tiny numbers and CPU engine arguments), on the sample data:
+    (run directory, summary). test_kimi_pipeline.py checks it; test_notebooks.py reads it
+    with notebooks/03_results.ipynb."""
+    from eagle_ray.config import load_recipe
+    from eagle_ray.pipeline import SAMPLE_DATA, run_end_to_end
+
+    r = load_recipe("tiny_kimi_cpu", ["train.max_steps=150", "train.eval_interval=150",
+                                      "train.ckpt_interval=150", "train.cpus_per_worker=1"])
+    run = tmp_path_factory.mktemp("kimi_twin") / "run"
+    return run, run_end_to_end(r, SAMPLE_DATA, run)
+
+
+def train_killed_at(args: list[str], run, step: int, ray_address: str, last: int) -> None:
+    """Run `eagle-ray train ARGS --out RUN` in its own process group and SIGKILL it once the
+    checkpoint of `step` exists (before `last`'s): a crash mid-training."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "eagle_ray.cli", "train", *args, "--out", str(run)],
+                            env={**os.environ, "RAY_ADDRESS": ray_address},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (run / "checkpoints" / f"step-{step:07d}").exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert f"step-{last:07d}" not in {p.name for p in (run / "checkpoints").glob("step-*")}, \
+        "the kill should land mid-run"
+    time.sleep(2)  # let Ray reap the dead driver's workers (and actors) before the next run
+
+
+@pytest.fixture(scope="session")
+def kill_training():
+    return train_killed_at

@@ -23,7 +23,25 @@ def _files(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
 
 
-def test_online_equals_offline_and_writes_no_features(tmp_path, ray_cluster, make_logged_store):
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory, ray_cluster, tiny_target_dir, make_logged_store):
+    """A store of 400 logged conversations (and the conversations), and an offline run on it."""
+    from eagle_ray.train.run import run_train
+
+    d = tmp_path_factory.mktemp("online")
+    r = load_recipe("tiny_cpu", SETS)
+    store = make_logged_store(d, 400, 7, r)
+    return d, store, run_train(r, store, d / "off")
+
+
+def _weights(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    ckpt = sorted((run / "checkpoints").glob("step-*"))[-1]
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+def test_online_equals_offline_and_writes_no_features(offline):
     from eagle_ray.evaluate.acceptance import online_run_isolated, prompts_from_ingest
     from eagle_ray.engine import engine_kwargs
     from eagle_ray.export.drafter import export_drafter
@@ -31,12 +49,11 @@ def test_online_equals_offline_and_writes_no_features(tmp_path, ray_cluster, mak
     from eagle_ray.train.run import run_train
     from transformers import AutoTokenizer
 
+    tmp_path, store, off = offline
     r = load_recipe("tiny_cpu", SETS)
-    store = make_logged_store(tmp_path, 400, 7, r)
     conv = tmp_path / "conv"
-    off = run_train(r, store, tmp_path / "off")
 
-    before = _files(tmp_path)
+    before = _files(tmp_path) - {f for f in _files(tmp_path) if f.startswith("on/")}
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     on = run_train(r, None, tmp_path / "on", conversations=conv)
     new = _files(tmp_path) - before
@@ -84,6 +101,30 @@ def test_online_equals_offline_and_writes_no_features(tmp_path, ray_cluster, mak
           "offline", off["train/tokens_per_s"])
     assert abs(al["online"] - al["offline"]) <= 0.3, al
     assert al["online"] > 1.3, al  # it learned something
+
+
+def test_killed_online_run_resumes_from_its_data_position(offline, tmp_path, ray_cluster,
+                                                          kill_training):
+    """Killed after its step-20 checkpoint, the online run resumes there (re-extracting from
+    step 21 on) and ends with the weights of the uninterrupted offline run."""
+    import json
+
+    import torch
+
+    from eagle_ray.train.run import run_train
+
+    d, _, _ = offline
+    run = tmp_path / "killed"
+    sets = SETS + ["train.ckpt_interval=10"]
+    kill_training(["--conversations", str(d / "conv")] + [a for o in sets for a in ("--set", o)],
+                    run, 20, ray_cluster, 40)
+    m = run_train(load_recipe("tiny_cpu", sets), None, run, conversations=d / "conv")
+    assert m["step"] == 40
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 40, steps  # nothing logged twice
+    a, b = _weights(d / "off"), _weights(run)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5, msg=k)
 
 
 def test_whole_node_target_refuses_one_node():

@@ -3,10 +3,6 @@ the same global batch, and a killed run resumes to the same weights."""
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -90,27 +86,15 @@ def _weights_changed(w, run):
     return any(v.dtype.is_floating_point and v.abs().sum() > 0 for v in w.values())
 
 
-def test_killed_run_resumes_to_the_same_weights(store, tmp_path, ray_cluster):
+def test_killed_run_resumes_to_the_same_weights(store, tmp_path, ray_cluster, kill_training):
     from eagle_ray.train.run import run_train
 
     sets = ["train.max_steps=40", "train.ckpt_interval=10", "train.eval_interval=1000"]
     run_train(recipe(*sets), store, tmp_path / "straight")
 
     run = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "eagle_ray.cli", "train", "--store", str(store), "--out", str(run)]
-    cmd += [a for o in ["train.cpus_per_worker=1", "train.log_interval=10", *sets] for a in ("--set", o)]
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and not (run / "checkpoints" / "step-0000020").exists():
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    done = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
-    assert "step-0000040" not in done, "the kill should land mid-run"
-    time.sleep(2)  # let Ray reap the dead job's workers before the next run takes their CPUs
+    kill_training(["--store", str(store)] + [a for o in ["train.cpus_per_worker=1", "train.log_interval=10", *sets]
+                                               for a in ("--set", o)], run, 20, ray_cluster, 40)
     run_train(recipe(*sets), store, run)  # same RUN_DIR: resumes from the latest checkpoint
     steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 10, 20, 30, 40], steps  # rows past the checkpoint are not repeated
