@@ -3,28 +3,21 @@ tiny numbers and CPU engine arguments): ingest -> generate -> extract (vLLM back
 the multimodal wrapper) -> train -> export -> check -> evaluate. The exported drafter must be
 fed the trained features by vLLM (check), serve losslessly, and beat n-gram speculation
 online. Layer-level equality of the captured features with transformers is in
-test_kimi_twin.py."""
-
-import os
+test_kimi_twin.py. The run itself is the session fixture `finished_run` (conftest.py), which
+test_notebooks.py also reads."""
 
 import pytest
 
-from eagle_ray.config import load_recipe
-
 pytestmark = pytest.mark.integration
 
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
-
-def test_whole_pipeline_on_the_kimi_twin(tmp_path, ray_cluster):
-    from eagle_ray.pipeline import SAMPLE_DATA, run_end_to_end
+def test_whole_pipeline_on_the_kimi_twin(finished_run):
     from eagle_ray.store.reader import HiddenStateStore
 
-    r = load_recipe("tiny_kimi_cpu", ["train.max_steps=150", "train.eval_interval=150",
-                                      "train.ckpt_interval=150", "train.cpus_per_worker=1"])
-    assert r.extract.backend == "vllm"
-    s = run_end_to_end(r, SAMPLE_DATA, tmp_path / "run")
-    store = HiddenStateStore(tmp_path / "run" / "store")
+    run, s = finished_run
+    assert s["recipe"]["name"] == "tiny_kimi_cpu"
+    assert s["recipe"]["extract"]["backend"] == "vllm"
+    store = HiddenStateStore(run / "store")
     assert store.manifest.architecture == "KimiK25ForConditionalGeneration"
     assert s["store_verify"]["ok"] and s["store_verify"]["samples"] == len(store) > 0
     assert s["check"]["max_abs_diff"] < s["check"]["tolerance"]
