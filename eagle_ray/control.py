@@ -224,6 +224,8 @@ class PoolSizeController(ExecutionCallback):
 
             for s, st in state.items():
                 record("eagle_ray_replicas", st["running"], stage=s)
+                record("eagle_ray_pool_bound", st["min"], stage=s, bound="min")
+                record("eagle_ray_pool_bound", st["max"], stage=s, bound="max")
                 if st["desired"] is not None:
                     record("eagle_ray_pool_bound", st["desired"], stage=s, bound="desired")
 

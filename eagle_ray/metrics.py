@@ -5,8 +5,10 @@ endpoint, which the Ray dashboard's Metrics view and Grafana read
 Every metric is tagged with the Ray job id (`job`: the same in the driver and in every actor
 and task of the job) and the stage. Who records what:
 
-  driver (stream.py, pipeline.py)    committed samples/tokens/bytes, rejects, replica counts
-                                     and pool bounds (it sees every committed index row)
+  driver (stream.py, extract/run.py) committed samples/tokens/bytes (it sees every committed
+                                     index row)
+  driver (control.py, every second)  replicas running per pool and its bounds (min, max,
+                                     desired): the pool's own state, as scaling changes it
   generation / extractor replicas    prompts and completion tokens generated, batches in
                                      flight per replica
   Ray Train rank 0                   loss and accuracy per TTT step, tokens/s, data-wait share
@@ -109,20 +111,6 @@ def replica_id() -> str:
         return "driver"
 
 
-def alive_replicas(class_fragment: str) -> int | None:
-    """Alive actors of this job whose class name contains class_fragment (Ray Data names its
-    pool actors `MapWorker(MapBatches(ExtractUDF))`); None when the state API is unreachable."""
-    try:
-        from ray.util.state import list_actors
-
-        actors = list_actors(filters=[("state", "=", "ALIVE"), ("job_id", "=", job_id())],
-                             limit=10000, raise_on_missing_output=False, timeout=5)
-        return sum(class_fragment in (a.class_name or "") for a in actors)
-    except Exception as e:
-        logger.debug("replica count not available: %r", e)
-        return None
-
-
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1}
 
 
@@ -138,15 +126,6 @@ def record_committed(rows, manifest, stage: str = "extract") -> None:
     record("eagle_ray_samples_committed", rows.num_rows, stage=stage)
     record("eagle_ray_tokens_committed", tokens, stage=stage)
     record("eagle_ray_bytes_committed", tokens * per_token, stage=stage)
-
-
-def record_pool(stage: str, class_fragment: str, min_size: int, max_size: int) -> None:
-    """A pool's bounds and its alive replicas (driver side, at progress intervals)."""
-    record("eagle_ray_pool_bound", min_size, stage=stage, bound="min")
-    record("eagle_ray_pool_bound", max_size, stage=stage, bound="max")
-    n = alive_replicas(class_fragment)
-    if n is not None:
-        record("eagle_ray_replicas", n, stage=stage)
 
 
 class InFlight:

@@ -94,15 +94,6 @@ def run_generate_extract(recipe: Recipe, prompts: str | Path, gen_dir: str | Pat
                         generate_counts=counts, seconds=time.time() - t0)
 
 
-def _pools(recipe: Recipe) -> list[tuple[str, str, int, int]]:
-    """(stage, actor class, min, max) of the pools this run starts (for the metrics)."""
-    g, e = recipe.generate, recipe.extract
-    if e.placement == "colocated":
-        return [("generate_extract", "ColocatedUDF", g.min_replicas, g.max_replicas)]
-    return [("generate", "GenerateUDF", g.min_replicas, g.max_replicas),
-            ("extract", "ExtractUDF", e.min_replicas, e.max_replicas)]
-
-
 def _not_in(table: pa.Table, ids: set[str]) -> pa.Table:
     return table.filter(pc.invert(pc.is_in(table.column("sample_id"),
                                            pa.array(sorted(ids), pa.string()))))
@@ -117,7 +108,7 @@ def _stream(recipe: Recipe, table: pa.Table, parts_dir: Path, store: Path, model
     from eagle_ray.extract.run import extraction_dataset
     from eagle_ray.extract.stage import INPUT_COLUMNS
     from eagle_ray.generate.run import _done_ids, generation_dataset
-    from eagle_ray.metrics import record_committed, record_pool
+    from eagle_ray.metrics import record_committed
     from eagle_ray.store.reader import committed_ids
 
     generated = _done_ids(parts_dir)
@@ -164,15 +155,12 @@ def _stream(recipe: Recipe, table: pa.Table, parts_dir: Path, store: Path, model
         ds = extraction_dataset(recipe, ds, store, model_dir, manifest)
     n_ext = n_tok = 0
     last = t_start = time.time()
-    pools = _pools(recipe)
     for rows in ds.iter_batches(batch_format="pyarrow", batch_size=None):
         n_ext += rows.num_rows
         n_tok += pc.sum(rows.column("num_tokens")).as_py() or 0
         record_committed(rows, manifest)
         if time.time() - last >= recipe.generate.progress_interval_s:
             last = time.time()
-            for pool in pools:
-                record_pool(*pool)
             logger.info("generate+extract: %d/%d samples committed, %.0f tokens/s",
                         len(committed) + n_ext, table.num_rows, n_tok / max(1e-9, time.time() - t_start))
     n_gen = len(_done_ids(parts_dir)) - len(generated)

@@ -146,7 +146,7 @@ def _extract_into(recipe: Recipe, table, store: Path, model_dir: Path, manifest:
         check_budget(recipe, num_samples=todo.num_rows,
                      avg_tokens=max(1.0, todo_tokens / todo.num_rows), out_dir=store)
         from eagle_ray.cluster import init_ray
-        from eagle_ray.metrics import record_committed, record_pool
+        from eagle_ray.metrics import record_committed
 
         init_ray()
         from eagle_ray.control import start_control
@@ -163,7 +163,6 @@ def _extract_into(recipe: Recipe, table, store: Path, model_dir: Path, manifest:
             record_committed(rows, manifest)
             if time.time() - last >= recipe.generate.progress_interval_s:
                 last = time.time()
-                record_pool("extract", "ExtractUDF", e.min_replicas, e.max_replicas)
                 logger.info("extract: %d/%d samples, %.0f tokens/s", skipped + extracted,
                             table.num_rows, tokens / max(1e-9, time.time() - t_start))
     logger.info("extract: %d samples, %d tokens this run in %.1fs -> %s", extracted, tokens,
