@@ -26,6 +26,8 @@ def main(argv=None) -> int:
     p.add_argument("--online", action="store_true", help="train online (no hidden-state store)")
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
+    # One token-authentication mode for the head and for every job command sent to it.
+    os.environ.update(launch.auth_env())
 
     head = None
     address = os.environ.get("RAY_ADDRESS")

@@ -32,6 +32,18 @@ RAY = str(Path(sys.executable).parent / "ray")
 EXCLUDES = [".venv", "out", ".git", "*.egg-info", "__pycache__", ".pytest_cache", "build"]
 
 
+def auth_env() -> dict[str, str]:
+    """The token-authentication mode for a head this module starts and for the job commands
+    it runs, made consistent: Ray 2.60 enables token authentication on a head whenever
+    ~/.ray/auth_token exists (a local `ray.init` creates one), while its job client stays in
+    'disabled' mode unless told otherwise and is then refused ("Missing authentication
+    token"). RAY_AUTH_MODE, when set, wins."""
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode:
+        return {"RAY_AUTH_MODE": mode}
+    return {"RAY_AUTH_MODE": "token"} if (Path.home() / ".ray" / "auth_token").exists() else {}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,7 +91,7 @@ def start_head(*, num_cpus: int | None = None, object_store_bytes: int | None = 
         cmd.append(f"--num-cpus={num_cpus}")
     if object_store_bytes is not None:
         cmd.append(f"--object-store-memory={object_store_bytes}")
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True,
+    proc = subprocess.Popen(cmd, env={**os.environ, **auth_env(), **(env or {})}, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     head = LocalHead(temp_dir=td, pgid=proc.pid, gcs_address=f"127.0.0.1:{port}",
                      dashboard_url=f"http://127.0.0.1:{dash}",

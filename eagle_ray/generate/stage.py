@@ -185,6 +185,12 @@ class _Regenerate(_Base):
         return self._table([rows[i] for i in range(len(cols["sample_id"]))])
 
 
+class _Nothing:
+    @staticmethod
+    def close() -> None:
+        pass
+
+
 class GenerateUDF(_Regenerate):
     """Regenerates the final assistant turn with the target in vLLM (one engine per actor).
 
@@ -200,6 +206,7 @@ class GenerateUDF(_Regenerate):
     def __init__(self, recipe, model_path: str):
         super().__init__(recipe, model_path)
         import atexit
+        import weakref
 
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -215,10 +222,16 @@ class GenerateUDF(_Regenerate):
         self._init_sampling(self.engine.model_config.max_model_len)
         self._seq = 0
 
-        # Shut the engine down when the actor exits, before vLLM's own exit hook kills the
-        # engine-core process under a still-running output handler (which logs a spurious
-        # EngineDeadError traceback into the job's log). atexit hooks run last-in first-out.
-        atexit.register(self.close)
+        # Shut the engine down when the actor exits, before the engine-core process is killed
+        # under a still-running output handler (which logs a spurious EngineDeadError
+        # traceback into the job's log): Ray Data drops the UDF on a graceful exit
+        # (`__ray_shutdown__`), which runs `__del__`; atexit covers other exits. The atexit
+        # hook holds only a weak reference, so it does not keep the UDF alive.
+        ref = weakref.ref(self)
+        atexit.register(lambda: (ref() or _Nothing).close())
+
+    def __del__(self):
+        self.close()
 
     def close(self) -> None:
         engine = self.__dict__.pop("engine", None)
