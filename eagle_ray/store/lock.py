@@ -20,6 +20,7 @@ import os
 import socket
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Iterator
 
@@ -68,7 +69,10 @@ def store_lock(root: str | Path, *, exclusive: bool, command: str) -> Iterator[N
                 f"{'to itself' if exclusive else 'with no writer'}. Wait for that process to "
                 "finish (or stop it) and run this again") from None
         if exclusive:
+            # A new lease per exclusive holder: writers started under it stop committing once
+            # another holder takes the store (see current_lease).
             record = {"command": command, "pid": os.getpid(), "host": socket.gethostname(),
+                      "lease": uuid.uuid4().hex,
                       "since": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": sys.argv}
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(record).encode(), 0)
@@ -79,3 +83,16 @@ def store_lock(root: str | Path, *, exclusive: bool, command: str) -> Iterator[N
                 os.ftruncate(fd, 0)
     finally:
         os.close(fd)  # releases the lock
+
+
+def current_lease(root: str | Path) -> str | None:
+    """The lease of the store's current (or last) exclusive holder, None when unknown.
+
+    Fencing for writers that outlive their run: an extractor actor of a killed job can still
+    be finishing a batch while a resubmitted job already holds the store; it reads the lease
+    when it starts and re-checks it right before each commit, and stops (committing nothing)
+    when another holder has taken the store since."""
+    try:
+        return json.loads((Path(root) / LOCK_FILE).read_text() or "{}").get("lease")
+    except (OSError, ValueError):
+        return None

@@ -92,12 +92,27 @@ def tensor_bytes(t) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
+class StaleWriterError(StoreError):
+    """A writer of a run that no longer holds the store."""
+
+
 class StoreWriter:
     def __init__(self, root: str | Path, manifest: StoreManifest, *, writer_id: str | None = None):
         self.root = open_or_create(root, manifest)
         self.manifest = manifest
         self.writer_id = writer_id or uuid.uuid4().hex[:12]
         self.seq = 0
+        from eagle_ray.store.lock import current_lease
+
+        self.lease = current_lease(self.root)  # the run this writer belongs to
+
+    def _check_lease(self) -> None:
+        from eagle_ray.store.lock import current_lease
+
+        if self.lease is not None and current_lease(self.root) != self.lease:
+            raise StaleWriterError(
+                f"{self.root} has been taken by another run since this writer started (its run "
+                "was stopped or killed); this batch is not committed, the new run extracts it")
 
     def write_shard(self, samples: list[SampleFeatures]) -> pa.Table:
         """Write samples as one shard and commit their index rows. Returns the rows."""
@@ -106,6 +121,7 @@ class StoreWriter:
 
         if not samples:
             return INDEX_SCHEMA.empty_table()
+        self._check_lease()
         m = self.manifest
         A, H = len(m.aux_layer_ids), m.hidden_size
         for s in samples:
@@ -147,6 +163,7 @@ class StoreWriter:
                 pq.write_table(table, f)
                 f.flush()
                 os.fsync(f.fileno())
+            self._check_lease()  # a writer of a stopped run must not commit over a new one
             os.replace(part_tmp, part)  # the commit point
             fsync_dir(part.parent)
         except BaseException as e:

@@ -88,6 +88,24 @@ class Scraper(threading.Thread):
         return sum(v for (n, ls), v in self.seen.items() if n == name and want <= set(ls))
 
 
+def _wait_actors_gone(head, job_id: str, timeout_s: float = 90.0) -> None:
+    from ray.util.state import list_actors
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            alive = list_actors(address=head.dashboard_url, filters=[("job_id", "=", job_id),
+                                                                    ("state", "=", "ALIVE")],
+                                raise_on_missing_output=False)
+        except Exception:
+            alive = [None]
+        # Its pool actors (Ray Data's own bookkeeping actors are detached and stay).
+        if not [a for a in alive if a is None or "MapWorker" in (a.class_name or "")]:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"actors of the killed job {job_id} still alive after {timeout_s:.0f} s")
+
+
 def _logs(head, sid):
     from ray.job_submission import JobSubmissionClient
 
@@ -116,7 +134,9 @@ def test_job_stopped_during_extraction_resumes_to_the_same_store(head, tmp_path)
     # `stop_job` (SIGTERM, then a wait) let the whole extraction finish first in CI.
     os.kill(int(client.get_job_info(sid).driver_info.pid), signal.SIGKILL)
     assert launch.wait(head.dashboard_url, sid, 120) in ("FAILED", "STOPPED")
-    time.sleep(2)  # an actor mid-write may still commit its shard before Ray reaps it
+    # The dead driver's extractor actors may still be finishing a batch: count the store once
+    # Ray has reaped them (a late one that outlives this wait is fenced off by the store lease).
+    _wait_actors_gone(head, client.get_job_info(sid).job_id)
     committed = len(read_index(out / "store"))
     first_ids = read_index(out / "store").column("sample_id").to_pylist()
     assert 0 < committed < N, f"the stop should land mid-extraction ({committed}/{N} committed)"

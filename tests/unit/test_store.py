@@ -211,3 +211,21 @@ def test_damaged_manifest_names_the_file(tmp_path, damage, needle):
         HiddenStateStore(tmp_path)
     with pytest.raises(StoreError, match=needle):
         StoreWriter(tmp_path, manifest())
+
+
+def test_writer_of_a_superseded_run_commits_nothing(tmp_path):
+    """Fencing: a writer started under one exclusive holder (a run later killed) stops
+    committing once another run holds the store; the new run's writer commits."""
+    from eagle_ray.store.lock import store_lock
+    from eagle_ray.store.writer import StaleWriterError
+
+    with store_lock(tmp_path, exclusive=True, command="run A"):
+        old = StoreWriter(tmp_path, manifest())
+        old.write_shard(samples(1, seed=1))
+    with store_lock(tmp_path, exclusive=True, command="run B"):  # A died; B resumed
+        new = StoreWriter(tmp_path, manifest())
+        with pytest.raises(StaleWriterError):
+            old.write_shard(samples(2, seed=2))
+        new.write_shard(samples(1, seed=3))
+    assert sorted(read_index(tmp_path).column("sample_id").to_pylist()) == ["s1-0", "s3-0"]
+    assert not verify_store(tmp_path)["problems"]  # no orphan shard, no temp file
