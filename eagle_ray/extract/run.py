@@ -46,6 +46,18 @@ class ExtractResult:
     seconds: float
 
 
+def generation_provenance(gen_dir: Path) -> dict | None:
+    """What a store records of the conversations it was extracted from (the generate
+    manifest's mode, sampling, target, vLLM version), None without a manifest."""
+    import json
+
+    path = Path(gen_dir) / "manifest.json"
+    if not path.exists():
+        return None
+    g = json.loads(path.read_text())
+    return {k: g.get(k) for k in ("mode", "sampling", "target", "vllm_version")}
+
+
 def make_manifest(recipe: Recipe, model_dir: Path, generation: dict | None = None) -> StoreManifest:
     t = recipe.target
     return StoreManifest(
@@ -99,18 +111,12 @@ def extraction_dataset(recipe: Recipe, ds, store_dir: Path, model_dir: Path,
 def run_extract(recipe: Recipe, conversations: str | Path, store_dir: str | Path, *,
                 limit: int | None = None) -> ExtractResult:
     """Extract every conversation not yet in the store; resumable and idempotent."""
-    import json
-
     t0 = time.time()
     conv_file, table = read_stage_table(conversations, "conversations.parquet", INPUT_COLUMNS,
                                         "generate")
     if limit is not None:
         table = table.slice(0, limit)
-    gen_manifest = conv_file.parent / "manifest.json"
-    generation = None
-    if gen_manifest.exists():
-        g = json.loads(gen_manifest.read_text())
-        generation = {k: g.get(k) for k in ("mode", "sampling", "target", "vllm_version")}
+    generation = generation_provenance(conv_file.parent)
 
     store = check_output_dir(store_dir, "extract")  # refused before anything is written
     model_dir = resolve_target_path(recipe.target)

@@ -185,10 +185,10 @@ class _Regenerate(_Base):
         return self._table([rows[i] for i in range(len(cols["sample_id"]))])
 
 
-class _Nothing:
-    @staticmethod
-    def close() -> None:
-        pass
+def _close_if_alive(ref) -> None:
+    udf = ref()
+    if udf is not None:
+        udf.close()
 
 
 class GenerateUDF(_Regenerate):
@@ -227,8 +227,7 @@ class GenerateUDF(_Regenerate):
         # traceback into the job's log): Ray Data drops the UDF on a graceful exit
         # (`__ray_shutdown__`), which runs `__del__`; atexit covers other exits. The atexit
         # hook holds only a weak reference, so it does not keep the UDF alive.
-        ref = weakref.ref(self)
-        atexit.register(lambda: (ref() or _Nothing).close())
+        atexit.register(_close_if_alive, weakref.ref(self))
 
     def __del__(self):
         self.close()

@@ -29,9 +29,10 @@ import collections
 import logging
 import queue
 import threading
-import time
 from pathlib import Path
 from typing import Any, Sequence
+
+from eagle_ray.train.data import Prefetcher
 
 logger = logging.getLogger(__name__)
 
@@ -184,9 +185,10 @@ def prefetch_depth(recipe) -> int:
     return max(1, min(8, t.online_bytes_in_flight // max(1, per_step) - 1))
 
 
-class OnlineBatches:
+class OnlineBatches(Prefetcher):
     """Worker side: the micro-batches of steps [start, rb.steps) of one rank, requested from
-    the FeatureServers `depth` steps ahead; iterates like train.data.Prefetcher."""
+    the FeatureServers `depth` steps ahead; iterated (and its data wait timed) as the
+    store's Prefetcher."""
 
     def __init__(self, rb, start_step: int, servers: Sequence, windows: dict, depth: int):
         self.q: queue.Queue = queue.Queue(maxsize=1)
@@ -224,16 +226,6 @@ class OnlineBatches:
             return
         self.q.put(None)
 
-    def __iter__(self):
-        while True:
-            t0 = time.perf_counter()
-            item = self.q.get()
-            self.wait_s += time.perf_counter() - t0
-            if item is None:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
 
 
 def batch_from_features(ids: Sequence[str], encoded: list[dict], windows: dict) -> dict[str, Any]:

@@ -46,9 +46,8 @@ def prepare_run(recipe: Recipe, store_dir: str | Path, run_dir: str | Path) -> d
     """The run's fixed inputs (written once to run.json; a resumed run reads them back)."""
     import hashlib
 
-    from eagle_ray.model.vocab import build_draft_vocab
     from eagle_ray.store.reader import HiddenStateStore
-    from eagle_ray.train.data import loss_token_counts, split_ids
+    from eagle_ray.train.data import loss_token_counts
 
     run = Path(run_dir)
     path = run / "run.json"
@@ -63,21 +62,35 @@ def prepare_run(recipe: Recipe, store_dir: str | Path, run_dir: str | Path) -> d
     arch = drafter_arch(recipe, target_dir)
     if store.manifest.hidden_size != arch.hidden_size:
         raise ValueError(f"store hidden size {store.manifest.hidden_size} != target's {arch.hidden_size}")
-    train_ids, val_ids = split_ids(sorted(store.sample_ids), recipe.train.val_fraction)
-    if not val_ids:
-        train_ids, val_ids = train_ids[1:], train_ids[:1]
+    train_ids, val_ids = _split(store.sample_ids, recipe.train.val_fraction)
     counts = loss_token_counts(store, train_ids, arch.target_vocab_size)
-    d2t, t2d = build_draft_vocab(counts, arch.draft_vocab_size)
     info = {"recipe": recipe.to_dict(), "arch": asdict(arch), "store": str(Path(store_dir).resolve()),
             "store_manifest": json.loads(manifest_bytes),
             "store_manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
             "target_dir": str(target_dir), "train_ids": train_ids, "val_ids": val_ids,
-            "d2t": d2t.tolist(), "most_common_token": int(counts.argmax()),
-            "most_common_token_share": float(counts.max() / max(1, counts.sum())),
-            "provenance": provenance()}
+            **_vocab_fields(counts, arch), "provenance": provenance()}
     claim_output_dir(run, "train")
     atomic_write_json(path, info)
     return info
+
+
+def _split(ids, val_fraction: float) -> tuple[list[str], list[str]]:
+    """The stable train/validation split of the run's samples (never an empty validation set)."""
+    from eagle_ray.train.data import split_ids
+
+    train_ids, val_ids = split_ids(sorted(ids), val_fraction)
+    if not val_ids:
+        train_ids, val_ids = train_ids[1:], train_ids[:1]
+    return train_ids, val_ids
+
+
+def _vocab_fields(counts, arch) -> dict[str, Any]:
+    """run.json's draft vocabulary (d2t) and loss-token frequency facts, from loss-token counts."""
+    from eagle_ray.model.vocab import build_draft_vocab
+
+    d2t, _ = build_draft_vocab(counts, arch.draft_vocab_size)
+    return {"d2t": d2t.tolist(), "most_common_token": int(counts.argmax()),
+            "most_common_token_share": float(counts.max() / max(1, counts.sum()))}
 
 
 def run_train(recipe: Recipe, store_dir: str | Path | None, run_dir: str | Path, *,
@@ -124,9 +137,6 @@ def prepare_run_online(recipe: Recipe, conversations: str | Path, run_dir: Path,
 
     import torch
 
-    from eagle_ray.model.vocab import build_draft_vocab
-    from eagle_ray.train.data import split_ids
-
     path = run_dir / "run.json"
     conv = Path(conversations).resolve()
     conv_file = conv / "conversations.parquet" if conv.is_dir() else conv
@@ -138,31 +148,21 @@ def prepare_run_online(recipe: Recipe, conversations: str | Path, run_dir: Path,
         return info
     target_dir = resolve_target_path(recipe.target)
     arch = drafter_arch(recipe, target_dir)
-    train_ids, val_ids = split_ids(sorted(windows), recipe.train.val_fraction)
-    if not val_ids:
-        train_ids, val_ids = train_ids[1:], train_ids[:1]
+    train_ids, val_ids = _split(windows, recipe.train.val_fraction)
     counts = torch.zeros(arch.target_vocab_size, dtype=torch.long)
     for sid in train_ids:
         tok, mask, _ = windows[sid]
         counts += torch.bincount(torch.tensor(tok)[torch.tensor(mask)], minlength=arch.target_vocab_size)
-    d2t, _ = build_draft_vocab(counts, arch.draft_vocab_size)
-    from eagle_ray.extract.run import make_manifest
+    from eagle_ray.extract.run import generation_provenance, make_manifest
 
-    gen = conv_file.parent / "manifest.json"
-    generation = None
-    if gen.exists():
-        g = json.loads(gen.read_text())
-        generation = {k: g.get(k) for k in ("mode", "sampling", "target", "vllm_version")}
     # The identity of the features trained on, as a store extracted from these conversations
     # would record it (export writes it into the drafter's config; no store exists).
-    manifest = make_manifest(recipe, target_dir, generation).to_dict()
+    manifest = make_manifest(recipe, target_dir, generation_provenance(conv_file.parent)).to_dict()
     info = {"recipe": recipe.to_dict(), "arch": asdict(arch), "online": True, "store": None,
             "store_manifest": manifest,
             "conversations": str(conv_file), "conversations_sha256": digest,
             "target_dir": str(target_dir), "train_ids": train_ids, "val_ids": val_ids,
-            "d2t": d2t.tolist(), "most_common_token": int(counts.argmax()),
-            "most_common_token_share": float(counts.max() / max(1, counts.sum())),
-            "provenance": provenance()}
+            **_vocab_fields(counts, arch), "provenance": provenance()}
     claim_output_dir(run_dir, "train")
     atomic_write_json(path, info)
     return info
