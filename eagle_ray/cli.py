@@ -231,8 +231,9 @@ def cmd_store_verify(args) -> int:
             print(f"PROBLEM {p}")
         for o in rep["orphans"]:
             print(f"ORPHAN  {o} (no index row points to it)")
-        for t in rep["temp_files"]:
-            print(f"TEMP    {t} (an interrupted write)")
+        for t in rep["interrupted"]:
+            print(f"LEFTOVER {t} (an interrupted write: nothing of it is committed; the next "
+                  "extract or `store repair` removes it)")
         print("OK" if rep["ok"] else "FAILED")
     return 0 if rep["ok"] else 1
 

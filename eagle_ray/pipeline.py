@@ -146,7 +146,7 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path, *,
             _skip("extract", out / "store")
     store_line = ("no store (online)" if online else
                   f"store verify: {check['samples']:,} samples in {check['shards']:,} shards, "
-                  f"{'OK' if check['ok'] else 'PROBLEMS: ' + str(check['problems'][:3])}")
+                  f"{'OK' if check['ok'] else 'PROBLEMS: ' + str((check['problems'] + check['orphans'])[:3])}")
     print(f"generate+extract ({mode}): {n_gen:,} conversations generated, {n_ext:,} samples "
           f"({n_tok:,} tokens) extracted this run ({before:,} already in the store); "
           f"{gen_counts.get('ok', 0):,} conversations, {gen_counts.get('rejected', 0):,} rejected "

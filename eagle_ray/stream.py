@@ -69,7 +69,7 @@ def run_generate_extract(recipe: Recipe, prompts: str | Path, gen_dir: str | Pat
                                         generation_params)
     from eagle_ray.outputs import check_output_dir, claim_output_dir
     from eagle_ray.store.lock import store_lock
-    from eagle_ray.store.writer import open_or_create
+    from eagle_ray.store.writer import open_or_create, sweep_interrupted
 
     t0 = time.time()
     gen, table = Path(gen_dir), _read_prompts(prompts)
@@ -88,6 +88,7 @@ def run_generate_extract(recipe: Recipe, prompts: str | Path, gen_dir: str | Pat
     claim_output_dir(store, "extract")
     with store_lock(store, exclusive=True, command="eagle-ray generate-extract"):
         open_or_create(store, manifest)
+        sweep_interrupted(store)  # what a killed run left uncommitted
         n_gen, n_ext, n_tok = _stream(recipe, table, gen / PARTS_DIR, store, model_dir, manifest)
     counts = consolidate(gen, table, params)
     return StreamResult(prompts=table.num_rows, generated=n_gen, extracted=n_ext, tokens=n_tok,

@@ -30,7 +30,7 @@ from eagle_ray.store.format import StoreManifest
 from eagle_ray.store.reader import committed_ids
 from eagle_ray.outputs import check_output_dir, claim_output_dir
 from eagle_ray.store.lock import store_lock
-from eagle_ray.store.writer import open_or_create
+from eagle_ray.store.writer import open_or_create, sweep_interrupted
 from eagle_ray.tables import read_stage_table
 
 logger = logging.getLogger(__name__)
@@ -127,6 +127,7 @@ def run_extract(recipe: Recipe, conversations: str | Path, store_dir: str | Path
     claim_output_dir(store, "extract")
     with store_lock(store, exclusive=True, command="eagle-ray extract"):
         open_or_create(store, manifest)  # refuses a store written for other features
+        sweep_interrupted(store)  # what a killed run left uncommitted
         return _extract_into(recipe, table, store, model_dir, manifest, t0)
 
 

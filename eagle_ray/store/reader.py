@@ -176,8 +176,10 @@ class HiddenStateStore:
 
 def verify_store(root: str | Path, *, checksums: bool = True) -> dict[str, Any]:
     """Check every index row against its shard (exists, readable, in bounds, and with
-    `checksums` its checksum) and find duplicates, orphan shards and temporary files.
-    Returns {"samples", "shards", "problems": [...], "orphans": [...], "temp_files", "ok"}.
+    `checksums` its checksum) and find duplicates, orphan shards (a lost index part) and the
+    leftovers of interrupted writes. Returns {"samples", "shards", "tokens", "problems",
+    "orphans", "interrupted", "ok"}; `ok` is no damage (problems or orphans): interrupted
+    writes hold nothing committed.
     Without checksums only headers are read: seconds for any store size."""
     from safetensors import safe_open
 
@@ -224,21 +226,37 @@ def verify_store(root: str | Path, *, checksums: bool = True) -> dict[str, Any]:
                     problems.append(f"{r['sample_id']}: checksum mismatch in {name}")
         except Exception as e:  # an unreadable shard is a finding, not a crash
             problems.append(f"{name}: unreadable ({type(e).__name__}: {e})")
-    orphans = sorted(shards_on_disk - referenced)
-    temps = sorted(p.name for d in (SHARDS_DIR, INDEX_DIR) for p in (root / d).glob(".*.tmp"))
+    interrupted = [p.name for p in interrupted_writes(root, referenced)]
+    orphans = sorted(shards_on_disk - referenced - set(interrupted))
     return {"store": str(root), "samples": len(set(ids)), "shards": len(referenced),
             "tokens": int(pc.sum(index.column("num_tokens")).as_py() or 0),
-            "problems": problems, "orphans": orphans, "temp_files": temps,
-            "ok": not problems and not orphans and not temps}
+            "problems": problems, "orphans": orphans, "interrupted": interrupted,
+            "ok": not problems and not orphans}
+
+
+def interrupted_writes(root: str | Path, referenced: set[str] | None = None) -> list[Path]:
+    """The leftovers of writes that never reached their commit (store/writer.py): temporary
+    files, and shards that no index part references whose temporary index part is still
+    there. They hold no committed sample: not damage, but garbage for the next exclusive
+    writer to sweep. Shards come first (removing in this order never leaves an orphan)."""
+    root = Path(root)
+    if referenced is None:
+        referenced = set(read_index(root).column("shard").to_pylist())
+    part_temps = {p.name for p in (root / INDEX_DIR).glob(".part-*.tmp")}
+    shards = [p for p in sorted((root / SHARDS_DIR).glob("shard-*.safetensors"))
+              if p.name not in referenced
+              and f".part-{p.name[len('shard-'):-len('.safetensors')]}.parquet.tmp" in part_temps]
+    return (shards + sorted((root / SHARDS_DIR).glob(".*.tmp"))
+            + sorted((root / INDEX_DIR).glob(".*.tmp")))
 
 
 def check_store_whole(root: str | Path) -> dict[str, Any]:
     """The structural verify (no checksums) that a consumer runs before trusting a store;
-    raises StoreDamagedError naming the problems and the command that repairs them."""
+    raises StoreDamagedError naming the problems and the command that repairs them. The
+    leftovers of interrupted writes are not damage (nothing of them is committed)."""
     rep = verify_store(root, checksums=False)
     if not rep["ok"]:
-        found = rep["problems"] + [f"orphan shard {o} (its index part is lost)" for o in rep["orphans"]] \
-            + [f"temporary file {t} (an interrupted write)" for t in rep["temp_files"]]
+        found = rep["problems"] + [f"orphan shard {o} (its index part is lost)" for o in rep["orphans"]]
         more = f" (+{len(found) - 3} more)" if len(found) > 3 else ""
         raise StoreDamagedError(f"store {root} is damaged: {'; '.join(found[:3])}{more}; "
                                 f"{repair_hint(root)}")

@@ -1,11 +1,18 @@
 """Writing the hidden-state store: one shard + one index part per call, both atomic.
 
 Commit order (crash-safe):
-    shards/.shard-W-S.safetensors.tmp -> fsync -> rename shards/shard-W-S.safetensors
-    index/.part-W-S.parquet.tmp       -> fsync -> rename index/part-W-S.parquet   (commit)
-A crash before the second rename leaves an orphan shard (garbage that `store verify`
-reports and `store repair` removes), never an index row pointing at a partial shard. W is a
-per-writer id, so many extractor actors write one store concurrently without locks.
+    shards/.shard-W-S.safetensors.tmp -> fsync
+    index/.part-W-S.parquet.tmp       -> fsync
+    rename -> shards/shard-W-S.safetensors
+    rename -> index/part-W-S.parquet                                   (the commit)
+A crash (kill -9 of an actor, the node) before the commit leaves an *interrupted write*:
+temporary files, or a shard next to its still-temporary index part. Never an index row
+pointing at a partial shard. An interrupted write holds no committed sample, so it is not
+damage: readers never see it, training accepts the store, and the next exclusive writer
+(`extract`, `generate-extract`, `store repair`) removes it when it takes the store
+(`sweep_interrupted`). An orphan shard *without* its temporary part can only mean a lost
+index part, and that is damage (`store verify` fails, training refuses, `store repair`).
+W is a per-writer id, so many extractor actors write one store concurrently without locks.
 """
 
 from __future__ import annotations
@@ -157,13 +164,13 @@ class StoreWriter:
             save_file(tensors, str(shard_tmp), metadata={"schema_version": str(m.schema_version),
                                                          "dtype": m.dtype})
             fsync_dir(shard_tmp)  # the shard's bytes
-            os.replace(shard_tmp, shard)
-            fsync_dir(shard.parent)
             with open(part_tmp, "wb") as f:
                 pq.write_table(table, f)
                 f.flush()
                 os.fsync(f.fileno())
             self._check_lease()  # a writer of a stopped run must not commit over a new one
+            os.replace(shard_tmp, shard)  # both files are whole before either is renamed
+            fsync_dir(shard.parent)
             os.replace(part_tmp, part)  # the commit point
             fsync_dir(part.parent)
         except BaseException as e:
@@ -180,3 +187,24 @@ class StoreWriter:
                     "`eagle-ray extract`: it resumes where it stopped") from e
             raise
         return table
+
+
+def sweep_interrupted(root: str | Path) -> list[str]:
+    """Remove the leftovers of interrupted writes (see the module doc); returns their names.
+
+    Only for a process that holds the store exclusively (store_lock), before its own writers
+    start: a writer of a stopped run that is still finishing a batch loses its temporary
+    files here and, fenced by the lease, commits nothing."""
+    from eagle_ray.store.reader import interrupted_writes
+
+    root = Path(root)
+    paths = interrupted_writes(root)  # shards before temporary parts: a crash in between
+    for p in paths:                   # leaves a plain temporary file, still an interrupted write
+        p.unlink(missing_ok=True)
+    if paths:
+        fsync_dir(root / SHARDS_DIR)
+        fsync_dir(root / INDEX_DIR)
+        names = [p.name for p in paths]
+        logger.info("%s: removed %d leftover file(s) of interrupted writes: %s", root, len(names),
+                    ", ".join(names[:4]) + (" ..." if len(names) > 4 else ""))
+    return [p.name for p in paths]

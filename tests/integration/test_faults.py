@@ -18,7 +18,7 @@ import time
 import pytest
 
 from eagle_ray.config import load_recipe
-from eagle_ray.store.reader import read_index, verify_store
+from eagle_ray.store.reader import check_store_whole, read_index, verify_store
 
 pytestmark = pytest.mark.integration
 
@@ -226,12 +226,11 @@ def test_kill_9_mid_extraction_then_resume(base, tmp_path):
     time.sleep(3)  # Ray reaps the dead driver's actors
     assert 0 < len(read_index(store)) < N, "the kill should land mid-run"
     cli("extract", "--conversations", d / "conv", "--out", store, *sets(), env=env, ok=True)
-    rep = verify_store(store)
-    if not rep["ok"]:  # an actor killed between shard and index rename leaves an orphan
-        assert not rep["problems"], rep
-        cli("store", "repair", store, ok=True)
+    # No repair step: an actor killed mid-write left at most an interrupted write, which the
+    # re-run swept when it took the store (and a late one would not be damage either).
     rep = verify_store(store)
     assert rep["ok"] and rep["samples"] == N and len(read_index(store)) == N, rep
+    check_store_whole(store)  # what training runs first
 
 
 def test_full_disk_mid_extraction_is_one_line_and_resumes(base, tmp_path):

@@ -1,4 +1,5 @@
 import errno
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -228,4 +229,48 @@ def test_writer_of_a_superseded_run_commits_nothing(tmp_path):
             old.write_shard(samples(2, seed=2))
         new.write_shard(samples(1, seed=3))
     assert sorted(read_index(tmp_path).column("sample_id").to_pylist()) == ["s1-0", "s3-0"]
-    assert not verify_store(tmp_path)["problems"]  # no orphan shard, no temp file
+    rep = verify_store(tmp_path)
+    assert rep["ok"] and not rep["interrupted"], rep  # no orphan shard, no temp file
+
+
+def test_writer_killed_before_its_commit_leaves_an_interrupted_write_not_damage(tmp_path):
+    """kill -9 of a writer between its shard and index renames (a real process, exited
+    there): the store stays whole for readers and training, the leftovers are named, and the
+    next exclusive writer sweeps them. A shard without even its temporary part is a lost
+    index part: that stays damage."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from eagle_ray.store.reader import StoreDamagedError, check_store_whole
+    from eagle_ray.store.writer import sweep_interrupted
+
+    StoreWriter(tmp_path, manifest()).write_shard(samples(2))
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_store import StoreWriter, manifest, samples
+        real, calls = os.replace, []
+        def replace(a, b):
+            calls.append(b)
+            if len(calls) == 2:  # the commit rename of the index part: die right before it
+                os._exit(9)
+            real(a, b)
+        os.replace = replace
+        StoreWriter({str(tmp_path)!r}, manifest()).write_shard(samples(3, seed=1))
+    """)
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 9
+    assert len(list((tmp_path / "shards").glob("shard-*"))) == 2  # the shard was renamed
+    rep = verify_store(tmp_path)
+    assert rep["ok"] and not rep["orphans"] and len(rep["interrupted"]) == 2, rep
+    assert check_store_whole(tmp_path)["samples"] == 2 == len(HiddenStateStore(tmp_path))
+    assert sorted(sweep_interrupted(tmp_path)) == sorted(rep["interrupted"])
+    rep = verify_store(tmp_path)
+    assert rep["ok"] and not rep["interrupted"] and rep["samples"] == 2, rep
+    assert len(list((tmp_path / "shards").iterdir())) == 1
+
+    part = next((tmp_path / "index").glob("part-*.parquet"))
+    part.unlink()  # a lost index part: its shard is an orphan, which no sweep may hide
+    assert sweep_interrupted(tmp_path) == []
+    with pytest.raises(StoreDamagedError, match="orphan shard.*store repair"):
+        check_store_whole(tmp_path)
