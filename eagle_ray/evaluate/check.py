@@ -238,7 +238,7 @@ class CapturedSamples:
         from eagle_ray.extract.stage import make_backend
         from eagle_ray.store.reader import decode
         from eagle_ray.store.writer import encode
-        from eagle_ray.train.online import read_windows
+        from eagle_ray.extract.stage import read_windows
 
         import torch
 

@@ -40,6 +40,26 @@ def window(prompt_ids: list[int], completion_ids: list[int], max_seq_len: int):
     return ids[:max_seq_len], mask[:max_seq_len], len(ids)
 
 
+def read_windows(conversations: str | Path, max_seq_len: int) -> dict[str, tuple[list[int], list[bool], int]]:
+    """sample id -> (input_ids, loss_mask, untruncated length) of every ok conversation: the
+    training window exactly as `eagle-ray extract` cuts it (`window`). Online training and
+    the runtime check of an online-trained drafter read these instead of a store."""
+    import pyarrow.compute as pc
+
+    path = Path(conversations)
+    if path.is_dir():
+        path = path / "conversations.parquet"
+    t = pq.read_table(path, columns=["sample_id", "status", "prompt_token_ids",
+                                     "completion_token_ids"])
+    t = t.filter(pc.equal(t.column("status"), "ok"))
+    out = {}
+    for sid, p, c in zip(t.column("sample_id").to_pylist(), t.column("prompt_token_ids").to_pylist(),
+                         t.column("completion_token_ids").to_pylist()):
+        ids, mask, n = window(p, c, max_seq_len)
+        out[sid] = (ids.tolist(), mask.tolist(), n)
+    return out
+
+
 def make_backend(recipe, model_path: str):
     e, t = recipe.extract, recipe.target
     aux = t.resolved_aux_layer_ids

@@ -114,7 +114,8 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
 
     online = cfg.get("online")
     if online:  # features from the extractor actors (train/online.py), no store
-        from eagle_ray.train.online import OnlineBatches, batch_from_features, read_windows
+        from eagle_ray.extract.stage import read_windows
+        from eagle_ray.train.online import OnlineBatches, batch_from_features
 
         windows = read_windows(online["conversations"], online["max_seq_len"])
         store = None

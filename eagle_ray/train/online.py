@@ -37,28 +37,6 @@ from eagle_ray.train.data import Prefetcher
 logger = logging.getLogger(__name__)
 
 
-def read_windows(conversations: str | Path, max_seq_len: int) -> dict[str, tuple[list[int], list[bool], int]]:
-    """sample id -> (input_ids, loss_mask, untruncated length) of every ok conversation: the
-    training window exactly as `eagle-ray extract` cuts it (extract/stage.py: window)."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    from eagle_ray.extract.stage import window
-
-    path = Path(conversations)
-    if path.is_dir():
-        path = path / "conversations.parquet"
-    t = pq.read_table(path, columns=["sample_id", "status", "prompt_token_ids",
-                                     "completion_token_ids"])
-    t = t.filter(pc.equal(t.column("status"), "ok"))
-    out = {}
-    for sid, p, c in zip(t.column("sample_id").to_pylist(), t.column("prompt_token_ids").to_pylist(),
-                         t.column("completion_token_ids").to_pylist()):
-        ids, mask, n = window(p, c, max_seq_len)
-        out[sid] = (ids.tolist(), mask.tolist(), n)
-    return out
-
-
 class FeatureServer:
     """Ray actor: the target loaded once (the recipe's extraction backend); returns the
     features of token sequences encoded as a store would hold them."""

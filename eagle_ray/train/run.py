@@ -173,10 +173,11 @@ def _train_online(recipe: Recipe, conversations: str | Path, run: Path) -> dict[
 
     from eagle_ray.cluster import init_ray
     from eagle_ray.extract.run import _check_target_shape
+    from eagle_ray.extract.stage import read_windows
     from eagle_ray.train import online
     from eagle_ray.train.data import check_enough_for_a_step
 
-    windows = online.read_windows(conversations, recipe.data.max_seq_len)
+    windows = read_windows(conversations, recipe.data.max_seq_len)
     if not windows:
         raise ValueError(f"{conversations} holds no ok conversation to train on")
     info = prepare_run_online(recipe, conversations, run, windows)
