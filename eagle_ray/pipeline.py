@@ -120,7 +120,8 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path, *,
 
         if (out / "store").exists():
             raise ValueError(f"{out} holds a store from an offline run; use a new --out for --online")
-        n_gen = run_generate(recipe, out / "ingest", out / "generate").generated
+        g = run_generate(recipe, out / "ingest", out / "generate")
+        n_gen = g.prompts - g.skipped_done  # this run's work (0 on a resubmitted job)
         n_ext = n_tok = before = 0
         mode = "generate only: online training extracts as it trains"
         check = {"ok": True, "samples": 0, "shards": 0, "problems": [], "online": True}

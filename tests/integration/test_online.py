@@ -145,3 +145,33 @@ def test_whole_node_target_refuses_one_node():
     with pytest.raises(ValueError, match="9 GPUs"):
         check_placement(load_recipe("llama31_8b_8gpu", ["extract.max_replicas=5",
                                                         "train.num_workers=4"]), one)
+
+
+def test_online_job_end_to_end_and_resubmitted(tmp_path, ray_cluster):
+    """The end-to-end job with --online on the sample data: ingest, generate, online
+    training, export, check (reference features captured again), evaluate; no store and no
+    feature bytes on disk. Run again, it finds every step complete and runs none."""
+    import json
+
+    from eagle_ray.pipeline import SAMPLE_DATA, run_end_to_end
+
+    r = load_recipe("tiny_cpu", ["train.max_steps=60", "train.eval_interval=60",
+                                 "train.ckpt_interval=60", "train.cpus_per_worker=0.5",
+                                 "extract.num_cpus_per_replica=0.5", "extract.max_replicas=2"])
+    out = tmp_path / "run"
+    s = run_end_to_end(r, SAMPLE_DATA, out, online=True)
+    assert s["steps_run"] == ["ingest", "generate", "train", "export", "check", "evaluate"], s["steps_run"]
+    assert s["store_verify"]["online"] and not (out / "store").exists()
+    from safetensors import safe_open
+
+    files = list(out.rglob("*.safetensors"))  # drafter weights only, no hidden states
+    assert files and not [p for p in files if {"aux", "final"} & set(safe_open(str(p), "pt").keys())]
+    assert not list(out.rglob("*.safetensors.tmp"))
+    assert json.loads((out / "train" / "online.json").read_text())["spilled_bytes"] == 0
+    assert s["train"]["step"] == 60 and s["check"]["ok"]
+    ev = s["evaluate"]
+    assert ev["offline"] is None and ev["outputs_identical"]
+    assert ev["online"]["mean_acceptance_length"] > ev["ngram"]["mean_acceptance_length"] + 0.5, ev
+
+    again = run_end_to_end(r, SAMPLE_DATA, out, online=True)
+    assert again["steps_run"] == [] and again["train"]["step"] == 60
