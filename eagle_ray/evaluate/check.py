@@ -235,12 +235,8 @@ class CapturedSamples:
 
     def __init__(self, recipe, manifest, conversations: str | Path, sample_ids: list[str],
                  model_dir: str | Path):
-        from eagle_ray.extract.stage import make_backend
-        from eagle_ray.store.reader import decode
+        from eagle_ray.extract.stage import decode_window, make_backend, read_windows
         from eagle_ray.store.writer import encode
-        from eagle_ray.extract.stage import read_windows
-
-        import torch
 
         self.manifest = manifest
         windows = read_windows(conversations, recipe.data.max_seq_len)
@@ -254,12 +250,9 @@ class CapturedSamples:
             close = getattr(backend, "close", None)
             if close is not None:
                 close()
-        self.samples = []
-        for sid, (aux, final) in zip(ids, feats):
-            tok, mask, _ = windows[sid]
-            enc = encode(aux, final, manifest.dtype, len(manifest.aux_layer_ids))
-            self.samples.append(decode({**enc, "input_ids": torch.tensor(tok),
-                                        "loss_mask": torch.tensor(mask)}))
+        self.samples = [decode_window(sid, encode(aux, final, manifest.dtype,
+                                                  len(manifest.aux_layer_ids)), windows)
+                        for sid, (aux, final) in zip(ids, feats)]
 
     def get(self, i: int | str = 0) -> dict:
         return self.samples[int(i) if not isinstance(i, str) else 0]

@@ -60,6 +60,20 @@ def read_windows(conversations: str | Path, max_seq_len: int) -> dict[str, tuple
     return out
 
 
+def decode_window(sample_id: str, encoded: dict, windows: dict) -> dict:
+    """One sample as a store read returns it (`store.reader.decode`), from its features
+    encoded in the storage dtype (`store.writer.encode`) and its window (`read_windows`)."""
+    import torch
+
+    from eagle_ray.store.reader import decode
+
+    tok, mask, _ = windows[sample_id]
+    if encoded["aux"].shape[0] != len(tok):
+        raise RuntimeError(f"extractor returned {encoded['aux'].shape[0]} positions for sample "
+                           f"{sample_id} of {len(tok)} tokens")
+    return decode({**encoded, "input_ids": torch.tensor(tok), "loss_mask": torch.tensor(mask)})
+
+
 def make_backend(recipe, model_path: str):
     e, t = recipe.extract, recipe.target
     aux = t.resolved_aux_layer_ids

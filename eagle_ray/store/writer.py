@@ -201,10 +201,10 @@ def sweep_interrupted(root: str | Path) -> list[str]:
     paths = interrupted_writes(root)  # shards before temporary parts: a crash in between
     for p in paths:                   # leaves a plain temporary file, still an interrupted write
         p.unlink(missing_ok=True)
-    if paths:
+    names = [p.name for p in paths]
+    if names:
         fsync_dir(root / SHARDS_DIR)
         fsync_dir(root / INDEX_DIR)
-        names = [p.name for p in paths]
         logger.info("%s: removed %d leftover file(s) of interrupted writes: %s", root, len(names),
                     ", ".join(names[:4]) + (" ..." if len(names) > 4 else ""))
-    return [p.name for p in paths]
+    return names

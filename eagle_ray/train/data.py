@@ -21,7 +21,7 @@ import queue
 import random
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -38,12 +38,12 @@ def split_ids(ids: Sequence[str], val_fraction: float) -> tuple[list[str], list[
     return train, val
 
 
-def loss_token_counts(store: HiddenStateStore, ids: Sequence[str], vocab_size: int) -> torch.Tensor:
-    """[V] counts of tokens at loss-masked positions (only ids and masks are read)."""
+def loss_token_counts(samples: Iterable[tuple], vocab_size: int) -> torch.Tensor:
+    """[V] counts of tokens at loss-masked positions of (input_ids, loss_mask) pairs (a
+    store's, only ids and masks read; or an online run's windows)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for sid in ids:
-        raw = store.raw(sid)
-        tok = raw["input_ids"].long()[raw["loss_mask"].bool()]
+    for tok, mask in samples:
+        tok = torch.as_tensor(tok).long()[torch.as_tensor(mask).bool()]
         counts += torch.bincount(tok, minlength=vocab_size)
     return counts
 

@@ -149,17 +149,14 @@ def check_placement(recipe, nodes: list[dict]) -> None:
             "or train.num_workers (e.g. 4 + 4 on one 8-GPU node)")
 
 
-def feature_bytes_per_token(hidden: int, n_aux: int, dtype: str) -> int:
-    per = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1}[dtype]
-    return (n_aux + 1) * hidden * per + (4 * n_aux + 4 if dtype == "fp8_e4m3" else 0)
-
-
 def prefetch_depth(recipe) -> int:
     """Steps requested ahead so that about train.online_bytes_in_flight bytes of features are
     in flight per worker (at least 1)."""
+    from eagle_ray.plan.budget import hidden_bytes_per_token
+
     t = recipe.train
-    per_step = t.tokens_per_batch * t.grad_accum * feature_bytes_per_token(
-        recipe.target.hidden_size, len(recipe.target.resolved_aux_layer_ids), recipe.storage.dtype)
+    per_step = t.tokens_per_batch * t.grad_accum * hidden_bytes_per_token(recipe.target,
+                                                                          recipe.storage.dtype)
     return max(1, min(8, t.online_bytes_in_flight // max(1, per_step) - 1))
 
 
@@ -208,20 +205,10 @@ class OnlineBatches(Prefetcher):
 
 def batch_from_features(ids: Sequence[str], encoded: list[dict], windows: dict) -> dict[str, Any]:
     """Collated batch of micro-batch `ids` from the servers' encoded features."""
-    import torch
-
+    from eagle_ray.extract.stage import decode_window
     from eagle_ray.store.batch import collate_samples
-    from eagle_ray.store.reader import decode
 
-    samples = []
-    for sid, enc in zip(ids, encoded):
-        tok, mask, _ = windows[sid]
-        if enc["aux"].shape[0] != len(tok):
-            raise RuntimeError(f"extractor returned {enc['aux'].shape[0]} positions for sample "
-                               f"{sid} of {len(tok)} tokens")
-        samples.append(decode({**enc, "input_ids": torch.tensor(tok),
-                               "loss_mask": torch.tensor(mask)}))
-    return collate_samples(samples)
+    return collate_samples([decode_window(sid, enc, windows) for sid, enc in zip(ids, encoded)])
 
 
 def spilled_bytes() -> int | None:

@@ -63,7 +63,8 @@ def prepare_run(recipe: Recipe, store_dir: str | Path, run_dir: str | Path) -> d
     if store.manifest.hidden_size != arch.hidden_size:
         raise ValueError(f"store hidden size {store.manifest.hidden_size} != target's {arch.hidden_size}")
     train_ids, val_ids = _split(store.sample_ids, recipe.train.val_fraction)
-    counts = loss_token_counts(store, train_ids, arch.target_vocab_size)
+    counts = loss_token_counts(((r["input_ids"], r["loss_mask"]) for r in map(store.raw, train_ids)),
+                               arch.target_vocab_size)
     info = {"recipe": recipe.to_dict(), "arch": asdict(arch), "store": str(Path(store_dir).resolve()),
             "store_manifest": json.loads(manifest_bytes),
             "store_manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
@@ -135,7 +136,7 @@ def prepare_run_online(recipe: Recipe, conversations: str | Path, run_dir: Path,
     compute from a store extracted from these conversations (same ids, same loss tokens)."""
     import hashlib
 
-    import torch
+    from eagle_ray.train.data import loss_token_counts
 
     path = run_dir / "run.json"
     conv = Path(conversations).resolve()
@@ -149,10 +150,7 @@ def prepare_run_online(recipe: Recipe, conversations: str | Path, run_dir: Path,
     target_dir = resolve_target_path(recipe.target)
     arch = drafter_arch(recipe, target_dir)
     train_ids, val_ids = _split(windows, recipe.train.val_fraction)
-    counts = torch.zeros(arch.target_vocab_size, dtype=torch.long)
-    for sid in train_ids:
-        tok, mask, _ = windows[sid]
-        counts += torch.bincount(torch.tensor(tok)[torch.tensor(mask)], minlength=arch.target_vocab_size)
+    counts = loss_token_counts((windows[s][:2] for s in train_ids), arch.target_vocab_size)
     from eagle_ray.extract.run import generation_provenance, make_manifest
 
     # The identity of the features trained on, as a store extracted from these conversations

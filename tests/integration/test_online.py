@@ -11,7 +11,6 @@ from eagle_ray.config import load_recipe
 
 pytestmark = pytest.mark.integration
 
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
 SETS = ["generate.mode=keep_logged", "storage.dtype=fp32", "data.max_seq_len=128",
         "train.num_workers=2", "train.max_steps=40", "train.eval_interval=40",
