@@ -7,7 +7,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	.venv/bin/python -m eagle_ray.demo --out out/demo
+	.venv/bin/python -m eagle_ray.job.demo --out out/demo
 
 test: setup
 	.venv/bin/python -m pytest -q tests

@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def _prompts(n: int, model: str) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from eagle_ray.tiny import corpus
+    from eagle_ray.targets.tiny import corpus
 
     tok = AutoTokenizer.from_pretrained(model)
     out = []
@@ -100,8 +100,9 @@ def _peak_rss_mib() -> float:
 def child(mode: str, n: int, max_tokens: int, wave: int) -> dict:
     from vllm import SamplingParams
 
-    from eagle_ray.config import load_recipe, resolve_target_path
-    from eagle_ray.engine import engine_kwargs
+    from eagle_ray.recipes import load_recipe
+    from eagle_ray.targets.resolve import resolve_target_path
+    from eagle_ray.vllm.engine import engine_kwargs
 
     recipe = load_recipe("tiny_cpu")
     model = str(resolve_target_path(recipe.target))

@@ -22,12 +22,13 @@ def main() -> int:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from eagle_ray.config import load_recipe, resolve_target_path
+    from eagle_ray.recipes import load_recipe
+    from eagle_ray.targets.resolve import resolve_target_path
     from eagle_ray.data.tokenize import tokenize_conversation
     from eagle_ray.extract.run import make_manifest
     from eagle_ray.extract.stage import ExtractUDF
     from eagle_ray.store.reader import HiddenStateStore
-    from eagle_ray.tiny import corpus
+    from eagle_ray.targets.tiny import corpus
 
     model = resolve_target_path(load_recipe("tiny_cpu").target)
     tok = AutoTokenizer.from_pretrained(str(model))

@@ -36,11 +36,12 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle_ray.config import load_recipe, resolve_target_path
+    from eagle_ray.recipes import load_recipe
+    from eagle_ray.targets.resolve import resolve_target_path
     from eagle_ray.data.ingest import SourceSpec, ingest
-    from eagle_ray.engine import engine_kwargs
+    from eagle_ray.vllm.engine import engine_kwargs
     from eagle_ray.generate.run import generation_dataset
-    from eagle_ray.tiny import corpus
+    from eagle_ray.targets.tiny import corpus
 
     recipe = load_recipe("tiny_cpu", [f"generate.max_tokens={args.max_tokens}",
                                       f"generate.batch_size={args.batch_size}",

@@ -15,11 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-from eagle_ray.config import load_recipe
+from eagle_ray.recipes import load_recipe
 from eagle_ray.data.ingest import SourceSpec, ingest
 from eagle_ray.data.stats import compute_stats
 from eagle_ray.data.tokenize import length_annotator
-from eagle_ray.tiny import corpus
+from eagle_ray.targets.tiny import corpus
 
 
 def generate(path: Path, n: int, seed: int = 0) -> None:

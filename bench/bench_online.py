@@ -33,7 +33,7 @@ def main() -> int:
     import ray
     from ray._private.internal_api import get_memory_info_reply, get_state_from_address
 
-    from eagle_ray.config import load_recipe
+    from eagle_ray.recipes import load_recipe
     from eagle_ray.train.run import run_train
     from tests.integration.conftest import logged_store
 

@@ -186,10 +186,11 @@ def extract_benchmarks(args, root: Path):
     import pyarrow as pa
     from transformers import AutoModelForCausalLM
 
-    from eagle_ray.config import load_recipe, resolve_target_path
+    from eagle_ray.recipes import load_recipe
+    from eagle_ray.targets.resolve import resolve_target_path
     from eagle_ray.extract.run import make_manifest
     from eagle_ray.extract.stage import ExtractUDF
-    from eagle_ray.tiny import corpus
+    from eagle_ray.targets.tiny import corpus
 
     recipe_hf = load_recipe("tiny_cpu", ["extract.backend=hf", "data.max_seq_len=512"])
     model_dir = resolve_target_path(recipe_hf.target)

@@ -27,11 +27,11 @@ def main() -> int:
 
     import ray
 
-    from eagle_ray.config import load_recipe
+    from eagle_ray.recipes import load_recipe
     from eagle_ray.data.ingest import SourceSpec, ingest
     from eagle_ray.extract.run import run_extract
     from eagle_ray.generate.run import run_generate
-    from eagle_ray.tiny import corpus
+    from eagle_ray.targets.tiny import corpus
     from eagle_ray.train.run import run_train
 
     d = Path(tempfile.mkdtemp(prefix="bench_train_"))

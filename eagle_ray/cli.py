@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def _recipe(args):
-    from eagle_ray.config import load_recipe
+    from eagle_ray.recipes import load_recipe
 
     return load_recipe(args.recipe, args.set)
 
@@ -28,9 +28,9 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_tiny_target(args) -> int:
     if args.arch == "kimi_k25":
-        from eagle_ray.tiny.kimi import build_tiny_kimi as build
+        from eagle_ray.targets.tiny.kimi import build_tiny_kimi as build
     else:
-        from eagle_ray.tiny.target import build_tiny_target as build
+        from eagle_ray.targets.tiny.target import build_tiny_target as build
 
     out = Path(args.out_dir)
     if out.exists() and any(out.iterdir()):
@@ -41,10 +41,10 @@ def cmd_tiny_target(args) -> int:
 
 
 def cmd_recipes(args) -> int:
-    from eagle_ray.config import RECIPES, load_recipe
+    from eagle_ray.recipes import RECIPES, load_recipe
 
     if args.check_target:
-        from eagle_ray.target_check import check_target_dir
+        from eagle_ray.targets.check import check_target_dir
 
         if not args.name:
             raise ValueError("--check-target needs a recipe name: eagle-ray recipes NAME --check-target DIR")
@@ -131,7 +131,7 @@ def cmd_extract(args) -> int:
 
 def cmd_generate_extract(args) -> int:
     from eagle_ray.config import apply_overrides
-    from eagle_ray.stream import run_generate_extract
+    from eagle_ray.stream.separate import run_generate_extract
 
     recipe = _recipe(args)
     if args.placement:
@@ -148,15 +148,15 @@ def cmd_generate_extract(args) -> int:
 def cmd_scale(args) -> int:
     import time
 
-    from eagle_ray.cluster import init_ray
-    from eagle_ray.control import scale
+    from eagle_ray.ops.cluster import init_ray
+    from eagle_ray.ops.control import scale
 
     if (args.stage is None) != (args.replicas is None):
         raise ValueError("give both STAGE and N (e.g. `eagle-ray scale extract 2`), or neither "
                          "to show the pools")
     import os
 
-    from eagle_ray.cluster import _resolve_address
+    from eagle_ray.ops.cluster import _resolve_address
 
     if args.address:
         os.environ["RAY_ADDRESS"] = args.address
@@ -388,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eagle_ray.errors import TracebackFilter, one_line, user_fault
+    from eagle_ray.common.errors import TracebackFilter, one_line, user_fault
 
     args = build_parser().parse_args(argv)
     streams = sys.stdout, sys.stderr

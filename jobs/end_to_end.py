@@ -1,14 +1,14 @@
 """End-to-end job: `ray job submit --working-dir . -- python -m jobs.end_to_end [--recipe R] [--data F ...]`.
 
-Thin entrypoint: parse arguments, build the recipe, call eagle_ray.pipeline.
+Thin entrypoint: parse arguments, build the recipe, call eagle_ray.job.pipeline.
 """
 
 import argparse
 import logging
 import sys
 
-from eagle_ray.config import load_recipe
-from eagle_ray.pipeline import SAMPLE_DATA, run_end_to_end
+from eagle_ray.recipes import load_recipe
+from eagle_ray.job.pipeline import SAMPLE_DATA, run_end_to_end
 
 
 def main(argv=None) -> int:

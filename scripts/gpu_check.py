@@ -52,7 +52,8 @@ def nccl_allreduce_check(n: int) -> tuple[bool, str]:
 
 
 def gpu_overrides(recipe_name: str, n_gpus: int, quick: bool) -> list[str]:
-    from eagle_ray.config import EngineConfig, load_recipe
+    from eagle_ray.config import EngineConfig
+    from eagle_ray.recipes import load_recipe
 
     base = load_recipe(recipe_name)
     tp = 2 if (recipe_name != "tiny_cpu" and n_gpus >= 2) else 1
@@ -73,8 +74,8 @@ def gpu_overrides(recipe_name: str, n_gpus: int, quick: bool) -> list[str]:
 
 
 def run_target(recipe_name: str, n_gpus: int, out: Path, quick: bool) -> list[dict]:
-    from eagle_ray.config import load_recipe
-    from eagle_ray.pipeline import SAMPLE_DATA, run_end_to_end
+    from eagle_ray.recipes import load_recipe
+    from eagle_ray.job.pipeline import SAMPLE_DATA, run_end_to_end
 
     recipe = load_recipe(recipe_name, gpu_overrides(recipe_name, n_gpus, quick))
     rows: list[dict] = []
@@ -114,7 +115,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", default=True)
     ap.add_argument("--targets", nargs="+", default=["tiny_cpu", "tiny_kimi_cpu"])
     a = ap.parse_args()
-    from eagle_ray.config import RECIPES
+    from eagle_ray.recipes import RECIPES
 
     n = gpu_count()
     if n == 0:

@@ -1,6 +1,6 @@
 """Write grafana/eagle_ray_dashboard.json: the eagle_ray panels for clusters that run Grafana
 over Ray's Prometheus metrics (import it, pick the Prometheus data source). The metric names
-are those of eagle_ray/metrics.py (tests/unit/test_metrics.py checks every one has a panel).
+are those of eagle_ray/ops/metrics.py (tests/unit/test_metrics.py checks every one has a panel).
 
     .venv/bin/python scripts/grafana_dashboard.py
 """

@@ -9,7 +9,7 @@ import json
 import random
 from pathlib import Path
 
-from eagle_ray.tiny import corpus
+from eagle_ray.targets.tiny import corpus
 
 OUT = Path(__file__).resolve().parent.parent / "examples" / "data"
 

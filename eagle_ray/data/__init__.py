@@ -1,1 +1,1 @@
-"""Data preparation: ingestion of conversation logs (see ingest.py; formats.py, validate.py, mix.py)."""
+"""Stage 1, data: ingest and mix conversation logs, validate every line, statistics, tokenize with the chat template and loss mask."""

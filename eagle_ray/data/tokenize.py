@@ -131,7 +131,7 @@ def load_tokenizer(target):
     """The target's tokenizer (with its chat template); builds the tiny target on first use."""
     from transformers import AutoTokenizer
 
-    from eagle_ray.config import resolve_target_path
+    from eagle_ray.targets.resolve import resolve_target_path
 
     return AutoTokenizer.from_pretrained(str(resolve_target_path(target)),
                                          revision=target.revision,

@@ -41,7 +41,7 @@ def offline_acceptance(run_info: dict, drafter_state: dict | None, k: int,
     from eagle_ray.export.drafter import build_drafter
     from eagle_ray.store.reader import HiddenStateStore
     from eagle_ray.store.batch import collate
-    from eagle_ray.targets import load_embed_and_lm_head
+    from eagle_ray.targets.load import load_embed_and_lm_head
 
     model = build_drafter(run_info, drafter_state).eval()
     embed, head = load_embed_and_lm_head(run_info["target_dir"])
@@ -112,7 +112,7 @@ def online_run_isolated(engine_kwargs: dict, prompts: list[list[int]], max_token
 
 def prompts_from_ingest(prompts_dir: str | Path, tokenizer, limit: int,
                         exclude_ids: set[str] | None = None) -> list[list[int]]:
-    from eagle_ray.tables import read_stage_table
+    from eagle_ray.common.tables import read_stage_table
 
     _, table = read_stage_table(prompts_dir, "prompts.parquet", ["sample_id", "messages"], "ingest",
                                 columns=["sample_id", "messages"])

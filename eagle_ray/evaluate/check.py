@@ -67,8 +67,8 @@ def runner_layer_ids(cfg: dict) -> dict[str, list[int] | None]:
 
     try:
         from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
-            get_eagle3_aux_layers_from_config as v2_ids,
-        )
+                                                                       get_eagle3_aux_layers_from_config as v2_ids,
+                                                                       )
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError:  # a vLLM that moved them: our mirror of the rules above
         return _mirror_layer_ids(cfg)
@@ -265,8 +265,8 @@ def run_check(recipe, drafter_dir: str | Path, store_dir: str | Path | None,
     features captured now from its conversations."""
     import json
 
-    from eagle_ray.config import resolve_target_path
-    from eagle_ray.engine import engine_kwargs
+    from eagle_ray.targets.resolve import resolve_target_path
+    from eagle_ray.vllm.engine import engine_kwargs
     from eagle_ray.export.drafter import read_drafter_config
     from eagle_ray.store.format import StoreManifest
     from eagle_ray.store.reader import HiddenStateStore

@@ -13,9 +13,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from eagle_ray.config import Recipe, resolve_target_path
-from eagle_ray.outputs import claim_output_dir
-from eagle_ray.provenance import atomic_write_bytes, atomic_write_json, provenance
+from eagle_ray.config import Recipe
+from eagle_ray.targets.resolve import resolve_target_path
+from eagle_ray.common.outputs import claim_output_dir
+from eagle_ray.common.provenance import atomic_write_bytes, atomic_write_json, provenance
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from eagle_ray.engine import engine_kwargs
+    from eagle_ray.vllm.engine import engine_kwargs
     from eagle_ray.evaluate.acceptance import (offline_acceptance, online_run_isolated,
                                                prompts_from_ingest)
     from eagle_ray.export.drafter import export_drafter, read_drafter_config
@@ -85,7 +86,7 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
     }
     atomic_write_json(out / "report.json", report)
     atomic_write_bytes(out / "report.md", _markdown(report).encode())
-    from eagle_ray.metrics import record
+    from eagle_ray.ops.metrics import record
 
     for name in ("offline", "online", "untrained", "ngram"):
         if report[name]:

@@ -23,8 +23,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eagle_ray.outputs import check_output_dir, replace_dir_atomically
-from eagle_ray.provenance import atomic_write_json, provenance
+from eagle_ray.common.outputs import check_output_dir, replace_dir_atomically
+from eagle_ray.common.provenance import atomic_write_json, provenance
 
 EXPORT_FILES = ("config.json", "model.safetensors")
 
@@ -66,7 +66,7 @@ def export_drafter(run_dir: str | Path, out_dir: str | Path, *, untrained: bool 
     import torch
     from safetensors.torch import load_file, save_file
 
-    from eagle_ray.model.drafter import state_dict_for_export, vllm_config
+    from eagle_ray.export.vllm_layout import state_dict_for_export, vllm_config
     from eagle_ray.train.loop import latest_checkpoint
 
     run = Path(run_dir)

@@ -20,7 +20,7 @@ class HFCapture:
     def __init__(self, model_path: str, aux_layer_ids: Sequence[int], *, device: str = "cpu",
                  dtype: str = "float32", revision: str | None = None,
                  trust_remote_code: bool = False):
-        from eagle_ray.targets import load_causal_lm
+        from eagle_ray.targets.load import load_causal_lm
 
         self.device = device
         self.aux_layer_ids = tuple(aux_layer_ids)

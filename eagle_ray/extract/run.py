@@ -23,15 +23,16 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from eagle_ray.config import Recipe, resolve_target_path
+from eagle_ray.config import Recipe
+from eagle_ray.targets.resolve import resolve_target_path
 from eagle_ray.extract.stage import INPUT_COLUMNS, ExtractUDF
-from eagle_ray.provenance import target_fingerprint, tokenizer_fingerprint
+from eagle_ray.common.provenance import target_fingerprint, tokenizer_fingerprint
 from eagle_ray.store.format import StoreManifest
 from eagle_ray.store.reader import committed_ids
-from eagle_ray.outputs import check_output_dir, claim_output_dir
+from eagle_ray.common.outputs import check_output_dir, claim_output_dir
 from eagle_ray.store.lock import store_lock
 from eagle_ray.store.writer import open_or_create, sweep_interrupted
-from eagle_ray.tables import read_stage_table
+from eagle_ray.common.tables import read_stage_table
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def extraction_dataset(recipe: Recipe, ds, store_dir: Path, model_dir: Path,
     """Map a Ray Dataset of conversation rows to committed index rows (lazy, streaming)."""
     import ray
 
-    from eagle_ray.engine import check_gpus_available, pool_kwargs
+    from eagle_ray.vllm.engine import check_gpus_available, pool_kwargs
 
     e = recipe.extract
     if e.backend == "vllm":
@@ -152,11 +153,11 @@ def _extract_into(recipe: Recipe, table, store: Path, model_dir: Path, manifest:
         todo_tokens = int(n_tokens * todo.num_rows / max(1, table.num_rows))
         check_budget(recipe, num_samples=todo.num_rows,
                      avg_tokens=max(1.0, todo_tokens / todo.num_rows), out_dir=store)
-        from eagle_ray.cluster import init_ray
-        from eagle_ray.metrics import record_committed
+        from eagle_ray.ops.cluster import init_ray
+        from eagle_ray.ops.metrics import record_committed
 
         init_ray()
-        from eagle_ray.control import start_control
+        from eagle_ray.ops.control import start_control
 
         start_control()  # `eagle-ray scale` resizes this run's pools while it runs
         e = recipe.extract

@@ -86,7 +86,7 @@ def make_backend(recipe, model_path: str):
         dtype = recipe.engine.dtype if recipe.engine.dtype != "auto" else "bfloat16"
         return HFCapture(model_path, aux, device=device, dtype=dtype, revision=t.revision,
                          trust_remote_code=t.trust_remote_code)
-    from eagle_ray.engine import engine_kwargs
+    from eagle_ray.vllm.engine import engine_kwargs
     from eagle_ray.extract.vllm_capture import VllmCapture
 
     kw = engine_kwargs(recipe, model_path)
@@ -117,7 +117,7 @@ class ExtractUDF:
         return self._done
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from eagle_ray.metrics import InFlight
+        from eagle_ray.ops.metrics import InFlight
 
         with InFlight("extract"):
             return self._extract(batch)

@@ -1,0 +1,1 @@
+"""Stage 2, generate: the target regenerates the responses through a pool of vLLM replicas (Ray Data)."""

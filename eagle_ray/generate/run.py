@@ -23,12 +23,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eagle_ray.config import Recipe, resolve_target_path
+from eagle_ray.config import Recipe
+from eagle_ray.targets.resolve import resolve_target_path
 from eagle_ray.generate.stage import CONVERSATIONS_SCHEMA, INPUT_COLUMNS, GenerateUDF, LoggedUDF
-from eagle_ray.outputs import claim_output_dir
-from eagle_ray.tables import read_stage_table
-from eagle_ray.provenance import (atomic_write_bytes, atomic_write_json, atomic_write_parquet,
-                                  provenance, target_fingerprint)
+from eagle_ray.common.outputs import claim_output_dir
+from eagle_ray.common.tables import read_stage_table
+from eagle_ray.common.provenance import (atomic_write_bytes, atomic_write_json, atomic_write_parquet,
+                                         provenance, target_fingerprint)
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def generation_dataset(recipe: Recipe, prompts: pa.Table, model_dir: Path):
     """A Ray Dataset of CONVERSATIONS_SCHEMA rows for the given prompt rows (lazy, streaming)."""
     import ray
 
-    from eagle_ray.engine import check_gpus_available, pool_kwargs
+    from eagle_ray.vllm.engine import check_gpus_available, pool_kwargs
 
     g = recipe.generate
     # One block per batch so replicas share the work from the start.
@@ -139,10 +140,10 @@ def run_generate(recipe: Recipe, prompts: str | Path, out_dir: str | Path, *,
 
     n_ok = n_rej = n_tok = 0
     if todo.num_rows:
-        from eagle_ray.cluster import init_ray
+        from eagle_ray.ops.cluster import init_ray
 
         init_ray()
-        from eagle_ray.control import start_control
+        from eagle_ray.ops.control import start_control
 
         start_control()  # `eagle-ray scale` resizes this run's pools while it runs
         ds = generation_dataset(recipe, todo, model_dir)

@@ -75,7 +75,7 @@ def _record_generated(table: pa.Table) -> None:
 
     import pyarrow.compute as pc
 
-    from eagle_ray.metrics import record
+    from eagle_ray.ops.metrics import record
 
     status = collections.Counter(table.column("status").to_pylist())
     for st, n in status.items():
@@ -120,7 +120,7 @@ class _Base:
 class _Regenerate(_Base):
     """Prompt rows -> requests, and finished requests -> conversation rows; the engine that
     runs the requests is the subclass's (GenerateUDF: a vLLM engine of its own; the colocated
-    stage: the capture engine, see eagle_ray/colocated.py)."""
+    stage: the capture engine, see eagle_ray/stream/colocated.py)."""
 
     def _init_sampling(self, max_model_len: int) -> None:
         from vllm import SamplingParams
@@ -212,7 +212,7 @@ class GenerateUDF(_Regenerate):
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
-        from eagle_ray.engine import engine_kwargs
+        from eagle_ray.vllm.engine import engine_kwargs
 
         # vLLM's engine metrics (queue, KV cache, throughput, latencies) into Ray's metrics:
         # the dashboard and Grafana show them next to eagle_ray's (`ray_vllm_*`).
@@ -243,7 +243,7 @@ class GenerateUDF(_Regenerate):
     async def __call__(self, batch: pa.Table):
         from vllm.inputs import TokensPrompt
 
-        from eagle_ray.metrics import InFlight
+        from eagle_ray.ops.metrics import InFlight
 
         with InFlight("generate"):
             cols, rows, todo = self._prepare(batch)

@@ -1,0 +1,1 @@
+"""Planning: disk, time and token budgets of a run before it starts."""

@@ -101,3 +101,18 @@ def sample_checksum(parts: list[bytes]) -> str:
     for p in parts:
         h.update(p)
     return h.hexdigest()
+
+
+class StoreError(RuntimeError):
+    """A store is unreadable or a sample fails its checksum."""
+
+
+class StoreDamagedError(StoreError):
+    """A structural problem (lost index part, missing or truncated shard, duplicate commit)."""
+
+
+def tensor_bytes(t) -> memoryview:
+    """The tensor's bytes as a buffer for hashing (no copy when it is contiguous)."""
+    import torch
+
+    return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())

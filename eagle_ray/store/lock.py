@@ -24,7 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-from eagle_ray.store.reader import StoreError
+from eagle_ray.store.format import StoreError
 
 LOCK_FILE = ".lock"
 

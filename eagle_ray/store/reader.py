@@ -20,15 +20,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from eagle_ray.store.format import (INDEX_DIR, INDEX_SCHEMA, MANIFEST_FILE, SCHEMA_VERSION,
-                                    SHARDS_DIR, StoreManifest, sample_checksum)
-
-
-class StoreError(RuntimeError):
-    """A store is unreadable or a sample fails its checksum."""
-
-
-class StoreDamagedError(StoreError):
-    """A structural problem (lost index part, missing or truncated shard, duplicate commit)."""
+                                    SHARDS_DIR, StoreDamagedError, StoreError, StoreManifest,
+                                    sample_checksum, tensor_bytes)
 
 
 def repair_hint(root: str | Path) -> str:
@@ -156,7 +149,6 @@ class HiddenStateStore:
         decoded to `dtype` (default float32); `verify` checks the sample's checksum the first
         time this object reads it (later epochs re-read the same bytes: ~1.3 GB/s of blake2b
         per worker is paid once, bench/bench_store.py)."""
-        from eagle_ray.store.writer import tensor_bytes
 
         raw = self.raw(key)
         i = self._row_of[key] if isinstance(key, str) else int(key)
@@ -183,7 +175,6 @@ def verify_store(root: str | Path, *, checksums: bool = True) -> dict[str, Any]:
     Without checksums only headers are read: seconds for any store size."""
     from safetensors import safe_open
 
-    from eagle_ray.store.writer import tensor_bytes
 
     root = Path(root)
     problems: list[str] = []

@@ -24,8 +24,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_ray.provenance import fsync_dir
-from eagle_ray.store.format import INDEX_DIR, SHARDS_DIR, sample_checksum
+from eagle_ray.common.provenance import fsync_dir
+from eagle_ray.store.format import INDEX_DIR, SHARDS_DIR, sample_checksum, tensor_bytes
 from eagle_ray.store.lock import store_lock
 from eagle_ray.store.reader import StoreDamagedError, read_index_part, read_manifest
 
@@ -36,7 +36,6 @@ def _row_checker(root: Path, manifest):
     """check(row) -> None if the row's bytes are intact, else the reason."""
     from safetensors import safe_open
 
-    from eagle_ray.store.writer import tensor_bytes
 
     handles: dict[str, Any] = {}
     expected = {"aux", "final", "input_ids", "loss_mask"} | (

@@ -27,10 +27,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_ray.provenance import atomic_write_json, fsync_dir
-from eagle_ray.store.reader import StoreError, read_manifest
+from eagle_ray.common.provenance import atomic_write_json, fsync_dir
 from eagle_ray.store.format import (FP8_MAX, INDEX_DIR, INDEX_SCHEMA, MANIFEST_FILE, SHARDS_DIR,
-                                    TORCH_DTYPES, StoreManifest, sample_checksum)
+                                    TORCH_DTYPES, StoreError, StoreManifest, sample_checksum,
+                                    tensor_bytes)
+from eagle_ray.store.lock import current_lease
+from eagle_ray.store.reader import read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -92,13 +94,6 @@ def encode(aux, final, dtype: str, num_layers_aux: int) -> dict:
             "final_scale": f_scale.float().contiguous()}
 
 
-def tensor_bytes(t) -> memoryview:
-    """The tensor's bytes as a buffer for hashing (no copy when it is contiguous)."""
-    import torch
-
-    return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
-
-
 class StaleWriterError(StoreError):
     """A writer of a run that no longer holds the store."""
 
@@ -109,13 +104,9 @@ class StoreWriter:
         self.manifest = manifest
         self.writer_id = writer_id or uuid.uuid4().hex[:12]
         self.seq = 0
-        from eagle_ray.store.lock import current_lease
-
         self.lease = current_lease(self.root)  # the run this writer belongs to
 
     def _check_lease(self) -> None:
-        from eagle_ray.store.lock import current_lease
-
         if self.lease is not None and current_lease(self.root) != self.lease:
             raise StaleWriterError(
                 f"{self.root} has been taken by another run since this writer started (its run "

@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from eagle_ray.provenance import atomic_write_json, fsync_dir
+from eagle_ray.common.provenance import atomic_write_json, fsync_dir
 
 logger = logging.getLogger(__name__)
 

@@ -76,7 +76,7 @@ def _distributed_rng_save(run_dir: Path, step: int, rank: int) -> None:
 
 def _record_metrics(m: dict[str, float]) -> None:
     """Rank 0's report into Ray's metrics (the dashboard / Grafana training panels)."""
-    from eagle_ray.metrics import record
+    from eagle_ray.ops.metrics import record
 
     record("eagle_ray_train_step", m.get("step"), stage="train")
     record("eagle_ray_train_loss", m.get("train/loss"), stage="train")
@@ -99,7 +99,7 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     from eagle_ray.store.reader import HiddenStateStore
     from eagle_ray.store.batch import collate
     from eagle_ray.train.data import Prefetcher, RankBatches, make_batches
-    from eagle_ray.targets import load_embed_and_lm_head
+    from eagle_ray.targets.load import load_embed_and_lm_head
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()

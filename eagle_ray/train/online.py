@@ -57,7 +57,7 @@ class FeatureServer:
             close()
 
     def features(self, sequences: list[list[int]]) -> list[dict]:
-        from eagle_ray.metrics import InFlight, record
+        from eagle_ray.ops.metrics import InFlight, record
         from eagle_ray.store.writer import encode
 
         with InFlight("extract"):
@@ -73,8 +73,8 @@ def start_servers(recipe, model_dir: Path, timeout_s: float = 900.0) -> list:
     eagle_ray namespace), started and loaded before training starts."""
     import ray
 
-    from eagle_ray.control import NAMESPACE, job_key
-    from eagle_ray.engine import ENGINE_ENV
+    from eagle_ray.ops.control import NAMESPACE, job_key
+    from eagle_ray.vllm.engine import ENGINE_ENV
 
     e, tp = recipe.extract, recipe.target.tensor_parallel_size
     gpus = 1 if e.gpus_per_replica > 0 and tp == 1 else 0  # TP > 1: vLLM's executor places them

@@ -17,9 +17,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from eagle_ray.config import Recipe, resolve_target_path
-from eagle_ray.outputs import claim_output_dir
-from eagle_ray.provenance import atomic_write_bytes, atomic_write_json, provenance
+from eagle_ray.config import Recipe
+from eagle_ray.targets.resolve import resolve_target_path
+from eagle_ray.common.outputs import claim_output_dir
+from eagle_ray.common.provenance import atomic_write_bytes, atomic_write_json, provenance
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ def run_train(recipe: Recipe, store_dir: str | Path | None, run_dir: str | Path,
     """Train (or resume) the drafter; returns the last logged metrics. From a store, or online
     (store_dir None, `conversations` = a generate output): features straight from extractor
     actors, no store (train/online.py)."""
-    from eagle_ray.outputs import check_output_dir
+    from eagle_ray.common.outputs import check_output_dir
     from eagle_ray.store.lock import store_lock
     from eagle_ray.store.reader import check_store_whole, read_manifest
 
@@ -169,7 +170,7 @@ def prepare_run_online(recipe: Recipe, conversations: str | Path, run_dir: Path,
 def _train_online(recipe: Recipe, conversations: str | Path, run: Path) -> dict[str, Any]:
     import ray
 
-    from eagle_ray.cluster import init_ray
+    from eagle_ray.ops.cluster import init_ray
     from eagle_ray.extract.run import _check_target_shape
     from eagle_ray.extract.stage import read_windows
     from eagle_ray.train import online
@@ -219,7 +220,7 @@ def _fit(recipe: Recipe, run: Path, info: dict, data: dict) -> dict[str, Any]:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
-    from eagle_ray.errors import user_fault
+    from eagle_ray.common.errors import user_fault
     from eagle_ray.train.checkpoint import newest_loadable
     from eagle_ray.train.loop import train_loop_per_worker
 
@@ -227,7 +228,7 @@ def _fit(recipe: Recipe, run: Path, info: dict, data: dict) -> dict[str, Any]:
     resume = newest_loadable(run)  # skips (with a warning) checkpoints that do not load
     resume_step = json.loads((resume / "state.json").read_text())["step"] if resume else None
     _truncate_metrics(run / "metrics.jsonl", resume_step)
-    from eagle_ray.cluster import init_ray
+    from eagle_ray.ops.cluster import init_ray
 
     init_ray()
     # Ray Train's state tracking (read by the trainer in this process): the dashboard's Train

@@ -29,7 +29,7 @@ def logged_store(d, n: int, seed: int, recipe):
     from eagle_ray.data.ingest import SourceSpec, ingest
     from eagle_ray.extract.run import run_extract
     from eagle_ray.generate.run import run_generate
-    from eagle_ray.tiny import corpus
+    from eagle_ray.targets.tiny import corpus
 
     lines = [json.dumps({"messages": c}) for c in corpus.conversations(n, seed=seed)]
     (d / "in.jsonl").write_text("\n".join(lines) + "\n")
@@ -49,9 +49,9 @@ def finished_run(tmp_path_factory, ray_cluster):
     """The whole pipeline once per session on the Kimi-K2.5 twin (`tiny_kimi_cpu`: the
     production Kimi recipe with tiny numbers and CPU engine arguments), on the sample data:
     (run directory, summary). test_kimi_pipeline.py checks it; test_notebooks.py reads it
-    with notebooks/03_results.ipynb."""
-    from eagle_ray.config import load_recipe
-    from eagle_ray.pipeline import SAMPLE_DATA, run_end_to_end
+    with notebooks/03_results.py."""
+    from eagle_ray.recipes import load_recipe
+    from eagle_ray.job.pipeline import SAMPLE_DATA, run_end_to_end
 
     r = load_recipe("tiny_kimi_cpu", ["train.max_steps=150", "train.eval_interval=150",
                                       "train.ckpt_interval=150", "train.cpus_per_worker=1"])

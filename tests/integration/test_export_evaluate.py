@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from eagle_ray.config import load_recipe
+from eagle_ray.recipes import load_recipe
 
 pytestmark = pytest.mark.integration
 
@@ -138,8 +138,8 @@ def test_non_default_aux_ids_survive_export_and_reach_the_drafter_in_vllm(traine
     assert sorted(res.details["max_abs_diff_per_layer"]) == [1, 3, 6]
 
     fallback = _edit_config(drafter, tmp_path / "no_ids", _no_ids)
-    from eagle_ray.config import resolve_target_path
-    from eagle_ray.engine import engine_kwargs
+    from eagle_ray.targets.resolve import resolve_target_path
+    from eagle_ray.vllm.engine import engine_kwargs
     from eagle_ray.evaluate.check import runtime_check
     from eagle_ray.store.reader import HiddenStateStore
 
@@ -153,8 +153,8 @@ def test_runtime_check_reaches_the_drafter_with_tensor_parallel_2(trained, monke
     refuses the Ray executor: "current platform cpu does not support ray"), one worker per
     rank, each bound to its own core. The check reaches the drafter on every rank through
     collective_rpc (there is no driver_worker to reach into) and both ranks were fed."""
-    from eagle_ray.config import resolve_target_path
-    from eagle_ray.engine import engine_kwargs
+    from eagle_ray.targets.resolve import resolve_target_path
+    from eagle_ray.vllm.engine import engine_kwargs
     from eagle_ray.evaluate.check import runtime_check
     from eagle_ray.store.reader import HiddenStateStore
 
@@ -181,8 +181,8 @@ def test_full_vocab_export_has_no_d2t_served_dtype_and_loads_in_vllm(trained, tm
     from safetensors import safe_open
     from vllm import LLM, SamplingParams
 
-    from eagle_ray.config import resolve_target_path
-    from eagle_ray.engine import engine_kwargs
+    from eagle_ray.targets.resolve import resolve_target_path
+    from eagle_ray.vllm.engine import engine_kwargs
     from eagle_ray.export.drafter import export_drafter, read_drafter_config
     from eagle_ray.train.run import prepare_run
 

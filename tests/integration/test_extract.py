@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from eagle_ray.config import load_recipe
+from eagle_ray.recipes import load_recipe
 from eagle_ray.data.ingest import SourceSpec, ingest
 from eagle_ray.store.reader import HiddenStateStore, read_index, verify_store
-from eagle_ray.tiny import corpus
+from eagle_ray.targets.tiny import corpus
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from eagle_ray.config import load_recipe
+from eagle_ray.recipes import load_recipe
 from eagle_ray.store.reader import check_store_whole, read_index, verify_store
 
 pytestmark = pytest.mark.integration

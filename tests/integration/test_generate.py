@@ -11,9 +11,9 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_ray.config import load_recipe
+from eagle_ray.recipes import load_recipe
 from eagle_ray.data.ingest import SourceSpec, ingest
-from eagle_ray.tiny import corpus
+from eagle_ray.targets.tiny import corpus
 
 pytestmark = pytest.mark.integration
 
@@ -77,7 +77,7 @@ def test_greedy_outputs_equal_direct_vllm(full_run, tiny_target_dir, tiny_tokeni
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle_ray.engine import engine_kwargs
+    from eagle_ray.vllm.engine import engine_kwargs
 
     _, out = full_run
     rows = pq.read_table(out / "conversations.parquet").to_pylist()

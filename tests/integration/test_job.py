@@ -17,9 +17,9 @@ import pyarrow.compute as pc
 import pytest
 import torch
 
-from eagle_ray import launch
+from eagle_ray.job import launch
 from eagle_ray.store.reader import HiddenStateStore, read_index, verify_store
-from eagle_ray.tiny import corpus
+from eagle_ray.targets.tiny import corpus
 
 pytestmark = pytest.mark.integration
 

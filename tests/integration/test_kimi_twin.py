@@ -24,7 +24,7 @@ import os
 import pytest
 import torch
 
-from eagle_ray.config import load_recipe
+from eagle_ray.recipes import load_recipe
 
 pytestmark = pytest.mark.integration
 
@@ -46,21 +46,21 @@ def recipe():
 @pytest.fixture(scope="module")
 def kimi_dir(recipe):
     """The cached twin (built once per machine, ~1-2 min on 2 cores)."""
-    from eagle_ray.config import resolve_target_path
+    from eagle_ray.targets.resolve import resolve_target_path
 
     return resolve_target_path(recipe.target)
 
 
 @pytest.fixture(scope="module")
 def hf_model(kimi_dir):
-    from eagle_ray.targets import load_causal_lm
+    from eagle_ray.targets.load import load_causal_lm
 
     return load_causal_lm(kimi_dir)
 
 
 @pytest.fixture(scope="module")
 def engine_kw(recipe, kimi_dir):
-    from eagle_ray.engine import engine_kwargs
+    from eagle_ray.vllm.engine import engine_kwargs
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return engine_kwargs(recipe, str(kimi_dir))
@@ -107,8 +107,8 @@ def _digests(d):
 
 
 def test_build_is_deterministic_and_shaped_like_kimi(tmp_path, kimi_dir, recipe):
-    from eagle_ray.target_check import check_target_dir
-    from eagle_ray.tiny.kimi import build_tiny_kimi
+    from eagle_ray.targets.check import check_target_dir
+    from eagle_ray.targets.tiny.kimi import build_tiny_kimi
 
     for name in ("a", "b"):
         build_tiny_kimi(tmp_path / name, seed=3, train_steps=2, batch_size=2,
@@ -143,7 +143,7 @@ def test_build_is_deterministic_and_shaped_like_kimi(tmp_path, kimi_dir, recipe)
 
 
 def test_training_loads_embedding_and_lm_head_by_name(kimi_dir, hf_model):
-    from eagle_ray.targets import load_embed_and_lm_head
+    from eagle_ray.targets.load import load_embed_and_lm_head
 
     embed, head = load_embed_and_lm_head(kimi_dir)
     assert torch.equal(embed, hf_model.model.embed_tokens.weight)
@@ -227,13 +227,13 @@ def test_eagle3_on_the_twin_is_lossless(recipe, kimi_dir, engine_kw, prompt_ids,
     """An (untrained, seeded) EAGLE-3 drafter in the exported layout, attached with
     speculative_config eagle3: greedy outputs equal generation without speculation, and the
     drafter really ran (vLLM counted drafts). Needs the CPU attention block-size fix of
-    eagle_ray.vllm_plugin (MLA target + Llama drafter layer in one KV group). A trained
+    eagle_ray.vllm.plugin (MLA target + Llama drafter layer in one KV group). A trained
     drafter's acceptance on the twin is measured by the end-to-end job's evaluate stage."""
     from safetensors.torch import save_file
 
-    from eagle_ray.model.drafter import (Eagle3Drafter, drafter_arch_from,
-                                         state_dict_for_export, vllm_config)
-    from eagle_ray.targets import read_config, text_config
+    from eagle_ray.model.drafter import Eagle3Drafter, drafter_arch_from
+    from eagle_ray.export.vllm_layout import state_dict_for_export, vllm_config
+    from eagle_ray.targets.load import read_config, text_config
 
     tc = text_config(read_config(kimi_dir))
     d = recipe.drafter

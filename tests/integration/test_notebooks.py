@@ -2,10 +2,9 @@
 user would run them: 01 (ingest, stats, plan) and 03 (results of a finished run) without Ray,
 02 against its own local Ray head and job. The kernel is a separate process: it never shares
 this process's Ray (the session `ray_cluster` may be running at the same time; 02's head has
-its own temp dir and free ports). Also: the committed .ipynb files carry no outputs and equal
-what notebooks/build.py generates."""
+its own temp dir and free ports). The notebooks are stored as percent-format scripts
+(jupytext `py:percent`: `# %%` code cells, `# %% [markdown]` cells), read into notebooks here."""
 
-import importlib.util
 import json
 import os
 import sys
@@ -19,13 +18,6 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 NB_DIR = REPO / "notebooks"
 CELL_TIMEOUT_S = 600
-
-
-def _build_module():
-    spec = importlib.util.spec_from_file_location("notebooks_build", NB_DIR / "build.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="session")
@@ -64,10 +56,11 @@ def run_notebook(name: str, workdir: Path, kernel: str, **env: str):
     """Execute notebooks/NAME in a fresh kernel (cwd workdir, env: this process's without any
     Ray address or notebook input, plus env). Returns (notebook, text of all outputs, seconds);
     a failing cell raises CellExecutionError with its traceback."""
+    import jupytext
     import nbformat
     from nbclient import NotebookClient
 
-    nb = nbformat.read(NB_DIR / name, as_version=4)
+    nb = jupytext.read(NB_DIR / name)
     kenv = {k: v for k, v in os.environ.items()
             if k != "RAY_ADDRESS" and not k.startswith("EAGLE_RAY_NB_")}
     kenv.update(env)
@@ -78,7 +71,8 @@ def run_notebook(name: str, workdir: Path, kernel: str, **env: str):
         client.execute(env=kenv)
     finally:
         seconds = time.time() - t0
-        (workdir / name).write_text(nbformat.writes(nb))  # the executed notebook, for a failure
+        # the executed notebook, for a failure
+        (workdir / name).with_suffix(".ipynb").write_text(nbformat.writes(nb))
     print(f"{name}: {seconds:.0f} s")
     return nb, _text(nb), seconds
 
@@ -114,25 +108,27 @@ def _images(nb) -> int:
     return sum("image/png" in out.get("data", {}) for c in nb.cells for out in c.get("outputs", []))
 
 
-def test_committed_notebooks_have_no_outputs_and_equal_the_generator():
+NOTEBOOKS = ("01_data_and_plan.py", "02_operate.py", "03_results.py")
+
+
+def test_notebooks_are_percent_scripts_that_read_as_notebooks():
+    import jupytext
     import nbformat
 
-    build = _build_module()
-    assert sorted(p.name for p in NB_DIR.glob("*.ipynb")) == sorted(build.NOTEBOOKS)
-    for name in build.NOTEBOOKS:
-        text = (NB_DIR / name).read_text(encoding="utf-8")
-        assert text == build.render(name), f"{name}: run `.venv/bin/python notebooks/build.py`"
-        nb = nbformat.reads(text, as_version=4)
+    assert sorted(p.name for p in NB_DIR.glob("*.py")) == sorted(NOTEBOOKS)
+    assert not list(NB_DIR.glob("*.ipynb")), "notebooks are stored as percent scripts only"
+    for name in NOTEBOOKS:
+        compile((NB_DIR / name).read_text(encoding="utf-8"), name, "exec")
+        nb = jupytext.read(NB_DIR / name)
         nbformat.validate(nb)
-        for cell in nb.cells:
-            if cell.cell_type == "code":
-                assert cell.outputs == [] and cell.execution_count is None, (name, cell.id)
         assert nb.metadata.kernelspec.name == "python3"
+        kinds = {c.cell_type for c in nb.cells}
+        assert kinds == {"markdown", "code"} and len(nb.cells) > 5, (name, len(nb.cells))
         assert nb.cells[0].cell_type == "markdown" and "environment variable" in nb.cells[0].source
 
 
 def test_01_data_and_plan(tmp_path, kernel_name, tiny_target_dir):
-    nb, text, seconds = run_notebook("01_data_and_plan.ipynb", tmp_path, kernel_name,
+    nb, text, seconds = run_notebook("01_data_and_plan.py", tmp_path, kernel_name,
                                      EAGLE_RAY_NB_OUT=str(tmp_path / "out"))
     report = json.loads((tmp_path / "out" / "ingest" / "report.json").read_text())
     assert report["invariant"]["holds"] and report["accepted"] > 0
@@ -153,14 +149,14 @@ def test_01_data_and_plan(tmp_path, kernel_name, tiny_target_dir):
 def test_02_operate_a_running_job(tmp_path, kernel_name, tiny_target_dir):
     out = tmp_path / "out"
     try:
-        nb, text, seconds = run_notebook("02_operate.ipynb", tmp_path, kernel_name,
+        nb, text, seconds = run_notebook("02_operate.py", tmp_path, kernel_name,
                                          EAGLE_RAY_NB_OUT=str(out))
     finally:
         # The notebook stops the head it started (last cell, and atexit in the kernel); if the
         # kernel died before either ran, stop it here: its process group only, and only while
         # that group still runs processes of that head (named by its temp dir).
         if (out / "head.json").exists():
-            from eagle_ray.launch import LocalHead
+            from eagle_ray.job.launch import LocalHead
 
             h = json.loads((out / "head.json").read_text())
             if _group_runs(h["pgid"], h["temp_dir"]):
@@ -185,7 +181,7 @@ def test_02_operate_a_running_job(tmp_path, kernel_name, tiny_target_dir):
 
 def test_03_results(tmp_path, kernel_name, finished_run):
     run, summary = finished_run
-    nb, text, seconds = run_notebook("03_results.ipynb", tmp_path, kernel_name,
+    nb, text, seconds = run_notebook("03_results.py", tmp_path, kernel_name,
                                      EAGLE_RAY_NB_RUN=str(run))
     report = json.loads((run / "evaluate" / "report.json").read_text())
     assert f"online mean acceptance length {report['online']['mean_acceptance_length']:.3f}" in text

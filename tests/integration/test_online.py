@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle_ray.config import load_recipe
+from eagle_ray.recipes import load_recipe
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +42,7 @@ def _weights(run: Path) -> dict:
 
 def test_online_equals_offline_and_writes_no_features(offline):
     from eagle_ray.evaluate.acceptance import online_run_isolated, prompts_from_ingest
-    from eagle_ray.engine import engine_kwargs
+    from eagle_ray.vllm.engine import engine_kwargs
     from eagle_ray.export.drafter import export_drafter
     from eagle_ray.extract.vllm_capture import transfer_dir
     from eagle_ray.train.run import run_train
@@ -80,7 +80,7 @@ def test_online_equals_offline_and_writes_no_features(offline):
     chk = run_check(r, d_on, None)
     assert chk.ok, chk.problems
     assert chk.details["tokens_compared"] > 0
-    from eagle_ray.config import resolve_target_path
+    from eagle_ray.targets.resolve import resolve_target_path
 
     model = str(resolve_target_path(r.target))
     tok = AutoTokenizer.from_pretrained(model)
@@ -152,7 +152,7 @@ def test_online_job_end_to_end_and_resubmitted(tmp_path, ray_cluster):
     feature bytes on disk. Run again, it finds every step complete and runs none."""
     import json
 
-    from eagle_ray.pipeline import SAMPLE_DATA, run_end_to_end
+    from eagle_ray.job.pipeline import SAMPLE_DATA, run_end_to_end
 
     r = load_recipe("tiny_cpu", ["train.max_steps=60", "train.eval_interval=60",
                                  "train.ckpt_interval=60", "train.cpus_per_worker=0.5",

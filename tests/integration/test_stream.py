@@ -7,10 +7,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eagle_ray.config import load_recipe
+from eagle_ray.recipes import load_recipe
 from eagle_ray.data.ingest import SourceSpec, ingest
 from eagle_ray.store.reader import HiddenStateStore, read_index, verify_store
-from eagle_ray.tiny import corpus
+from eagle_ray.targets.tiny import corpus
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +43,7 @@ def staged(tmp_path_factory, ray_cluster, tiny_target_dir):
 def test_streamed_equals_staged_and_resumes_both_stages(tmp_path, staged, placement):
     from eagle_ray.extract.run import run_extract
     from eagle_ray.generate.run import run_generate
-    from eagle_ray.stream import run_generate_extract
+    from eagle_ray.stream.separate import run_generate_extract
 
     r = load_recipe("tiny_cpu", SETS + placement)
     # A partial earlier run (staged commands): half the prompts generated, a quarter extracted.
@@ -76,7 +76,7 @@ def test_colocated_generation_saves_no_states(tmp_path, ray_cluster, tiny_target
     free their blocks; a capture request still writes its file."""
     import os
 
-    from eagle_ray.engine import engine_kwargs, run_requests
+    from eagle_ray.vllm.engine import engine_kwargs, run_requests
     from eagle_ray.extract.vllm_capture import VllmCapture, no_capture
     from vllm import SamplingParams
 

@@ -69,7 +69,7 @@ def test_vllm_loads_and_matches_hf_greedy(tiny_target_dir, hf_greedy, monkeypatc
 
 
 def test_build_is_deterministic(tmp_path):
-    from eagle_ray.tiny.target import build_tiny_target
+    from eagle_ray.targets.tiny.target import build_tiny_target
 
     digests = []
     for name in ("a", "b"):

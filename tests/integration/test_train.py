@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle_ray.config import load_recipe
+from eagle_ray.recipes import load_recipe
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +30,7 @@ def recipe(*extra):
 def frequency_baseline(store_dir, run_dir):
     """Held-out step-0 accuracy of always predicting the most common loss token."""
     from eagle_ray.store.reader import HiddenStateStore
-    from eagle_ray.targets import load_embed_and_lm_head
+    from eagle_ray.targets.load import load_embed_and_lm_head
 
     info = json.loads((run_dir / "run.json").read_text())
     store = HiddenStateStore(store_dir)

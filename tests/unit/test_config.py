@@ -1,6 +1,6 @@
 import pytest
 
-from eagle_ray.config import RECIPES, load_recipe
+from eagle_ray.recipes import RECIPES, load_recipe
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

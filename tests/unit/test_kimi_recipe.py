@@ -7,7 +7,8 @@ import types
 
 import pytest
 
-from eagle_ray.config import apply_overrides, load_recipe
+from eagle_ray.config import apply_overrides
+from eagle_ray.recipes import load_recipe
 
 # Fields that are not numbers but may differ between the twin's recipe and the real one.
 PATHS = {"name", "target.path", "storage.out_dir",
@@ -54,7 +55,7 @@ def test_twin_recipe_differs_only_in_numbers_paths_and_cpu_args():
 
 
 def test_engine_kwargs_carry_the_architecture_args():
-    from eagle_ray.engine import engine_kwargs
+    from eagle_ray.vllm.engine import engine_kwargs
 
     cpu = engine_kwargs(load_recipe("tiny_kimi_cpu"), "/m")
     assert cpu["language_model_only"] is True and cpu["attention_backend"] == "CPU_MLA"
@@ -70,8 +71,8 @@ def test_engine_kwargs_carry_the_architecture_args():
 
 
 def test_tiny_kimi_alias_resolves_to_the_twin(monkeypatch, tmp_path):
-    import eagle_ray.tiny.kimi as kimi
-    from eagle_ray.config import resolve_target_path
+    import eagle_ray.targets.tiny.kimi as kimi
+    from eagle_ray.targets.resolve import resolve_target_path
 
     monkeypatch.setattr(kimi, "ensure_tiny_kimi", lambda: tmp_path / "twin")
     assert resolve_target_path(load_recipe("tiny_kimi_cpu").target) == tmp_path / "twin"
@@ -80,7 +81,7 @@ def test_tiny_kimi_alias_resolves_to_the_twin(monkeypatch, tmp_path):
 def test_checkpoint_names_split_fused_experts():
     import torch
 
-    from eagle_ray.tiny.kimi import to_checkpoint_state
+    from eagle_ray.targets.tiny.kimi import to_checkpoint_state
 
     gu = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)  # [E, 2I, H], I = 3
     down = torch.arange(2 * 3 * 3, dtype=torch.float32).reshape(2, 3, 3)
@@ -103,7 +104,7 @@ def test_plugin_entry_point_is_installed():
     from importlib.metadata import entry_points
 
     eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert eps.get("eagle_ray_cpu_fixes") == "eagle_ray.vllm_plugin:register", (
+    assert eps.get("eagle_ray_cpu_fixes") == "eagle_ray.vllm.plugin:register", (
         "reinstall the package (pip install --no-deps -e .) to register the vLLM plugin")
 
 
@@ -123,7 +124,7 @@ def _fake_module(**attrs):
 
 
 def test_tolerant_rebind_kernels(monkeypatch):
-    from eagle_ray.vllm_plugin import _tolerant_rebind_kernels
+    from eagle_ray.vllm.plugin import _tolerant_rebind_kernels
 
     kernel, wrapper = object(), object()
 
@@ -157,7 +158,7 @@ def test_register_on_cpu_installs_the_fixes(monkeypatch):
     from vllm.triton_utils import dispatcher
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    from eagle_ray import vllm_plugin
+    from eagle_ray.vllm import plugin as vllm_plugin
 
     from vllm.v1.attention.backend import MultipleOf
 

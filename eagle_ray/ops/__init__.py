@@ -1,0 +1,1 @@
+"""Operating a cluster and a running job: connecting to Ray, live pool scaling, dashboard metrics."""

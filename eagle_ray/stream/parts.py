@@ -1,0 +1,29 @@
+"""The generated-conversation part both placements write: the streamed pipeline's record.
+
+Separate pools call `write_part` as its own Ray Data task; the colocated replica calls it
+between generating and capturing a batch. Either way the part is written atomically BEFORE
+the batch's features can commit, so a committed sample always has its conversation on disk.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+
+def write_part(batch: pa.Table, parts_dir: str) -> pa.Table:
+    """Ray Data task: write one generated batch as a part (atomic); return its ok rows,
+    reduced to the columns extraction reads."""
+    from eagle_ray.extract.stage import INPUT_COLUMNS
+    from eagle_ray.generate.stage import CONVERSATIONS_SCHEMA
+    from eagle_ray.common.provenance import atomic_write_parquet
+
+    if batch.num_rows == 0:
+        return batch.select(list(INPUT_COLUMNS))
+    batch = batch.cast(CONVERSATIONS_SCHEMA)
+    atomic_write_parquet(Path(parts_dir) / f"part-{time.time_ns()}-{uuid.uuid4().hex[:8]}.parquet", batch)
+    return batch.filter(pc.equal(batch.column("status"), "ok")).select(list(INPUT_COLUMNS))

