@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).parent / "ray")
 # What the job does not need from the working tree (the venv alone is GBs).
 EXCLUDES = [".venv", "out", ".git", "*.egg-info", "__pycache__", ".pytest_cache", "build"]

@@ -35,7 +35,7 @@ from eagle_ray.common.provenance import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_DATA = [str(REPO_ROOT / "examples" / "data" / "personal.jsonl"),
                str(REPO_ROOT / "examples" / "data" / "general_sharegpt.jsonl") + ":600"]
 SUMMARY_FILE = "summary.json"
