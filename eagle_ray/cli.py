@@ -198,11 +198,18 @@ def cmd_export(args) -> int:
 def cmd_evaluate(args) -> int:
     from eagle_ray.evaluate.run import run_evaluate
 
-    r = run_evaluate(_recipe(args), args.drafter, args.prompts, args.out, k=args.k, limit=args.limit)
+    r = run_evaluate(_recipe(args), args.drafter, args.prompts, args.out, k=args.k, limit=args.limit,
+                     seeds=args.seeds)
     print(f"evaluate: mean acceptance length offline {r['offline']['mean_acceptance_length']:.3f}, "
           f"online {r['online']['mean_acceptance_length']:.3f}, untrained "
           f"{r['untrained']['mean_acceptance_length']:.3f}, n-gram {r['ngram']['mean_acceptance_length']:.3f}; "
           f"outputs identical: {r['outputs_identical']} -> {args.out}/report.md")
+    if r.get("as_served"):
+        s = r["as_served"]
+        print(f"evaluate: as served ({', '.join(f'{k} {v}' for k, v in s['sampling'].items())}): "
+              f"greedy drafting {s['draft_sample_method']['greedy']:.3f}, probabilistic "
+              f"{s['draft_sample_method']['probabilistic']:.3f}, n-gram "
+              f"{s['runs']['ngram']['mean_acceptance_length']:.3f} over {len(s['seeds'])} seed(s)")
     return 0 if r["outputs_identical"] else 1
 
 
@@ -349,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--k", type=int, help="draft tokens per step (default drafter.num_speculative_tokens)")
     p.add_argument("--limit", type=int, default=64, help="held-out prompts to run online")
+    p.add_argument("--seeds", type=int, default=2,
+                   help="seeds at the serving profile (0: greedy only); spread is reported")
     p.set_defaults(fn=cmd_evaluate)
 
     p = sub.add_parser("check", help="verify serving feeds the drafter the features it was trained on")

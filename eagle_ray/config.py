@@ -47,6 +47,9 @@ class TargetConfig:
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
     """Only when the user asks: lets the model directory run its own Python code."""
+    allow_other_target: bool = False
+    """Accept a store, run or drafter recorded for a target with another fingerprint (the
+    deliberate case only: the same weights re-saved). Off: refused, naming both targets."""
     remote_code: str | None = None
     """What in the real checkpoint is custom code (None: nothing). A target with custom code
     (this note, or an `auto_map` in its tokenizer/model config) is refused until the user sets
@@ -132,6 +135,8 @@ class DrafterConfig:
     """Per-head width of the drafter's attention. Every recipe sets it: a target config's
     `head_dim` is not the drafter's (DeepSeek-V3/Kimi write their rope width, 64, there; a
     Llama-style drafter layer for Kimi uses 128). None: hidden_size // num_attention_heads."""
+    intermediate_size: int | None = None
+    """The drafter layer's MLP width (None: target.intermediate_size, the target's dense MLP)."""
     ttt_steps: int = 7
     num_speculative_tokens: int = 5
     """Chain length k used when evaluating in vLLM (and recommended for serving)."""
@@ -178,6 +183,10 @@ class EngineConfig:
     custom_ops: tuple[str, ...] = ()
     """vLLM `compilation_config.custom_ops` (e.g. ("all", "-rotary_embedding") to run a
     layer's torch implementation instead of the platform kernel); () = vLLM's default."""
+    enable_chunked_prefill: bool | None = None
+    """None: vLLM's default. The CPU recipes turn it off: vLLM rewinds a sampled request's
+    generator when its prefill is split across steps, and CPU torch generators cannot rewind
+    (`CPU Generator does not use offset`, the engine dies); unsplit prefills never rewind."""
 
     def __post_init__(self) -> None:
         if any(not op or op[0] not in "+-" and op not in ("all", "none") for op in self.custom_ops):
@@ -189,6 +198,51 @@ class EngineConfig:
             raise ValueError(f"engine.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.num_cpus_per_replica < 0:
             raise ValueError("engine.num_cpus_per_replica must be >= 0")
+        if self.enable_chunked_prefill is False and self.max_model_len is None:
+            raise ValueError("engine.enable_chunked_prefill=false needs engine.max_model_len "
+                             "(every prompt must then fit one step's token budget)")
+
+
+
+def _check_sampling(section: str, temperature, top_p, top_k, min_p) -> None:
+    if temperature is not None and temperature < 0:
+        raise ValueError(f"{section}.temperature={temperature}: need >= 0 (0 is greedy)")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"{section}.top_p={top_p}: need 0 < top_p <= 1")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"{section}.top_k={top_k}: need >= 0 (0: no top-k)")
+    if min_p is not None and not 0 <= min_p < 1:
+        raise ValueError(f"{section}.min_p={min_p}: need 0 <= min_p < 1")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ServeConfig:
+    """The serving profile: how the user serves the target, so what the drafter is trained
+    for (generation samples at it by default) and judged at (evaluate measures it).
+
+    Each field left None is read from the target checkpoint's `generation_config.json`
+    (`eagle_ray.targets.serving.serving_profile`), and where the checkpoint does not say
+    either, vLLM's neutral value (temperature 1.0, top_p 1.0, no top-k, no min-p). A value
+    stated here (by the recipe or `--set serve.FIELD=...`) wins over the checkpoint."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    """0: no top-k."""
+    min_p: float | None = None
+    """0: no min-p."""
+    source: str | None = None
+    """Where the recipe's values come from (recorded in manifests and the export)."""
+    draft_sample_method: str = "greedy"
+    """vLLM speculative_config.draft_sample_method recommended in the export's serving.json:
+    "greedy" (drafts are argmax, verified as one-hot) or "probabilistic" (drafts sampled, the
+    draft probabilities enter the ratio test)."""
+
+    def __post_init__(self) -> None:
+        _check_sampling("serve", self.temperature, self.top_p, self.top_k, self.min_p)
+        if self.draft_sample_method not in ("greedy", "probabilistic"):
+            raise ValueError(f"serve.draft_sample_method={self.draft_sample_method!r}; choose "
+                             "greedy or probabilistic")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -197,8 +251,19 @@ class GenerateConfig:
 
     mode: str = "regenerate"
     """regenerate: the target writes the final turn; keep_logged: use the logged response."""
-    temperature: float = 0.0
-    top_p: float = 1.0
+    temperature: float | None = None
+    """None: the serving profile's (`serve`), so the drafter learns the distribution it will
+    draft against. 0 regenerates greedy (`--set generate.temperature=0`)."""
+    top_p: float | None = None
+    """None: the serving profile's."""
+    top_k: int | None = None
+    """None: the serving profile's (0: no top-k)."""
+    min_p: float | None = None
+    """None: the serving profile's (0: no min-p)."""
+    samples_per_prompt: int = 1
+    """Completions drawn per prompt (> 1 needs temperature > 0: greedy ones would be equal).
+    Each is its own sample, id `<prompt id>#<j>`; identical completions of a prompt are kept
+    once (the others are rejected as duplicate_completion)."""
     max_tokens: int = 8192
     """Max completion tokens (also capped by the context left after the prompt)."""
     min_replicas: int = 1
@@ -221,8 +286,20 @@ class GenerateConfig:
             raise ValueError(
                 f"generate.min_replicas={self.min_replicas}, max_replicas={self.max_replicas}: "
                 "need 1 <= min_replicas <= max_replicas")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1:
-            raise ValueError("generate: need temperature >= 0, 0 < top_p <= 1, max_tokens >= 1")
+        _check_sampling("generate", self.temperature, self.top_p, self.top_k, self.min_p)
+        if self.max_tokens < 1:
+            raise ValueError(f"generate.max_tokens={self.max_tokens}: need >= 1")
+        if self.samples_per_prompt < 1:
+            raise ValueError(f"generate.samples_per_prompt={self.samples_per_prompt}: need >= 1")
+        if self.samples_per_prompt > 1 and self.temperature == 0:
+            raise ValueError(
+                f"generate.samples_per_prompt={self.samples_per_prompt} with "
+                "generate.temperature=0: greedy completions of a prompt are all the same; sample "
+                "at the serving profile (leave generate.temperature unset) or set "
+                "generate.samples_per_prompt=1")
+        if self.samples_per_prompt > 1 and self.mode != "regenerate":
+            raise ValueError(f"generate.samples_per_prompt={self.samples_per_prompt} needs "
+                             "generate.mode=regenerate (a logged response exists once)")
         if self.batch_size < 1 or self.gpus_per_replica < 0 or self.batches_in_flight < 1:
             raise ValueError("generate: need batch_size >= 1, batches_in_flight >= 1 and "
                              "gpus_per_replica >= 0")
@@ -306,6 +383,14 @@ class TrainConfig:
     seed: int = 0
     bf16: bool = True
     """bf16 autocast on GPUs (ignored on the CPU)."""
+    init_from: str | None = None
+    """Start from a published EAGLE-3 drafter (a directory in vLLM's / SpecForge's layout, as
+    `eagle-ray export` writes it, or in vllm-project/speculators' layout): weights only, the
+    optimizer starts fresh. Checked against the target, the features and the drafter shape
+    before any worker starts (eagle_ray/train/init.py). A run's own resume is unchanged."""
+    init_vocab: str = "keep"
+    """With init_from: "keep" the published draft vocabulary (every lm_head row keeps its
+    token), or "data": rebuild it from your loss tokens, carrying each surviving token's row."""
     online_bytes_in_flight: int = 2 << 30
     """Online training (no store): feature bytes each worker may have requested ahead from the
     extractor actors (object store); sets how many steps are prefetched (1..8)."""
@@ -321,6 +406,8 @@ class TrainConfig:
             raise ValueError(f"train.val_fraction={self.val_fraction} must be in (0, 1)")
         if self.lr <= 0 or self.grad_clip <= 0:
             raise ValueError("train: need lr > 0 and grad_clip > 0")
+        if self.init_vocab not in ("keep", "data"):
+            raise ValueError(f"train.init_vocab={self.init_vocab!r}; choose keep or data")
         if self.keep_checkpoints < 0:
             raise ValueError(f"train.keep_checkpoints={self.keep_checkpoints}: need >= 0 (0 keeps all)")
 
@@ -334,6 +421,7 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)

@@ -12,8 +12,14 @@ import dataclasses
 import typing
 
 from eagle_ray.config import (TINY_KIMI_ALIAS, TINY_TARGET_ALIAS, DataConfig, DrafterConfig,
-                              EngineConfig, ExtractConfig, GenerateConfig, Recipe, StorageConfig,
-                              TargetConfig, TrainConfig, apply_overrides)
+                              EngineConfig, ExtractConfig, GenerateConfig, Recipe, ServeConfig,
+                              StorageConfig, TargetConfig, TrainConfig, apply_overrides)
+
+# Kimi-K2.5's thinking mode, as its vendor prescribes it (and fixes it in its own API).
+KIMI_K25_THINKING = ServeConfig(
+    temperature=1.0, top_p=0.95,
+    source="Kimi-K2.5 thinking mode: temperature 1.0, top_p 0.95 (Moonshot AI's model card "
+           "and API; instant mode is 0.6)")
 
 
 def tiny_cpu() -> Recipe:
@@ -26,9 +32,15 @@ def tiny_cpu() -> Recipe:
         data=DataConfig(max_seq_len=512),
         storage=StorageConfig(dtype="bf16", out_dir="out/store"),
         drafter=DrafterConfig(draft_vocab_size=512, head_dim=32),
+        # Served as the production target is, so the demo and CI exercise the sampled path.
+        serve=dataclasses.replace(KIMI_K25_THINKING, source="as kimi_k25_8gpu: "
+                                  + KIMI_K25_THINKING.source),
         generate=GenerateConfig(max_tokens=128, batch_size=16, gpus_per_replica=0),
+        # CPU-only: no chunked prefill, so sampled requests with their own seeds never need
+        # the generator rewind CPU generators refuse (eagle_ray/vllm/plugin.py).
         engine=EngineConfig(dtype="float32", max_model_len=1024, enforce_eager=True,
-                            kv_cache_memory_bytes=64 << 20, num_cpus_per_replica=0.5),
+                            kv_cache_memory_bytes=64 << 20, num_cpus_per_replica=0.5,
+                            enable_chunked_prefill=False),
         extract=ExtractConfig(backend="vllm", batch_size=16, gpus_per_replica=0,
                               num_cpus_per_replica=0.5),
         train=TrainConfig(num_workers=2, use_gpu=False, cpus_per_worker=0.5, lr=3e-3,
@@ -77,6 +89,7 @@ def kimi_k25_8gpu() -> Recipe:
             remote_code="tokenizer: tokenization_kimi.TikTokenTokenizer (auto_map in "
                         "tokenizer_config.json)"),
         data=DataConfig(max_seq_len=8192),
+        serve=KIMI_K25_THINKING,
         storage=StorageConfig(dtype="bf16", out_dir="/mnt/data/eagle_ray/kimi_k25/store"),
         drafter=DrafterConfig(draft_vocab_size=32000, num_key_value_heads=8, head_dim=128),
         generate=GenerateConfig(max_tokens=8192, min_replicas=1, max_replicas=1,

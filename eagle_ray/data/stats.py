@@ -30,10 +30,14 @@ def find_table(path: str | Path) -> Path:
     return p
 
 
-def _aggs() -> list[pl.Expr]:
+def _aggs(with_ids: bool = False) -> list[pl.Expr]:
     t = pl.col("num_tokens")
+    # Completions of one prompt are "<prompt id>#<j>" (generate.samples_per_prompt).
+    prompts = ([pl.col("sample_id").str.split("#").list.first().n_unique().alias("prompts")]
+               if with_ids else [])
     return [
         pl.len().alias("samples"),
+        *prompts,
         t.sum().alias("total_tokens"),
         t.mean().alias("mean_tokens"),
         *[t.quantile(q, "nearest").alias(f"p{int(q * 100)}_tokens") for q in PERCENTILES],
@@ -52,10 +56,13 @@ def compute_stats(path: str | Path) -> dict[str, Any]:
     if missing:
         raise ValueError(f"{table} has no {', '.join(missing)} column(s); re-run "
                          "`eagle-ray ingest` with token counting on (the default)")
-    overall = lf.select(_aggs()).collect().to_dicts()[0]
+    ids = "sample_id" in names
+    overall = lf.select(_aggs(ids)).collect().to_dicts()[0]
+    if ids:
+        overall["samples_per_prompt"] = overall["samples"] / max(1, overall["prompts"])
     result: dict[str, Any] = {"table": str(table), "overall": overall, "per_source": {}}
     if "source" in names:
-        per = lf.group_by("source").agg(_aggs()).sort("source").collect()
+        per = lf.group_by("source").agg(_aggs(ids)).sort("source").collect()
         result["per_source"] = {r.pop("source"): r for r in per.to_dicts()}
     return result
 
@@ -68,6 +75,8 @@ def token_lengths(path: str | Path) -> pl.Series:
 def format_stats(stats: dict[str, Any]) -> str:
     cols = ["samples", "total_tokens", "mean_tokens", "p50_tokens", "p90_tokens",
             "p99_tokens", "max_tokens", "loss_tokens", "truncated"]
+    if "prompts" in stats["overall"]:
+        cols.insert(1, "prompts")
     rows = [("ALL", stats["overall"])] + list(stats["per_source"].items())
     width = max(12, *(len(name) for name, _ in rows))
 

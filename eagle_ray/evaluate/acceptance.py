@@ -67,23 +67,43 @@ def _spec_counters(llm) -> tuple[int, list[int]]:
 
 
 def online_run(engine_kwargs: dict, prompts: list[list[int]], max_tokens: int,
-               speculative_config: dict | None) -> dict[str, Any]:
-    """Greedy generation in vLLM (optionally speculative); tokens/s and vLLM's spec counters."""
+               speculative_config: dict | None, sampled: dict | None = None) -> dict[str, Any]:
+    """Generation in vLLM (optionally speculative): greedy first (tokens/s, outputs, vLLM's
+    spec counters), then, with `sampled` = {"sampling": {temperature, top_p, top_k, min_p},
+    "seeds": [...]}, the same prompts once per seed at that sampling (per-request seeds,
+    counters read per seed) in the same engine: result["sampled"] = [one result per seed]."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from eagle_ray.data.ids import sample_seed
+    from eagle_ray.targets.serving import sampling_kwargs
+
     llm = LLM(**engine_kwargs, speculative_config=speculative_config, disable_log_stats=False)
-    try:
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, skip_special_tokens=False)
+    reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+
+    def phase(sps) -> dict[str, Any]:
+        d0, p0 = _spec_counters(llm) if speculative_config is not None else (0, [])
         t0 = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        outs = llm.generate(reqs, sps, use_tqdm=False)
         dt = time.perf_counter() - t0
         tokens = [list(o.outputs[0].token_ids) for o in outs]
-        result: dict[str, Any] = {"seconds": dt, "output_tokens": sum(map(len, tokens)),
-                                  "tokens_per_s": sum(map(len, tokens)) / dt, "outputs": tokens}
+        r: dict[str, Any] = {"seconds": dt, "output_tokens": sum(map(len, tokens)),
+                             "tokens_per_s": sum(map(len, tokens)) / dt, "outputs": tokens}
         if speculative_config is not None:
-            drafts, per_pos = _spec_counters(llm)
-            result |= pooled(drafts, per_pos)
+            d1, p1 = _spec_counters(llm)
+            p0 = p0 + [0] * (len(p1) - len(p0))
+            r |= pooled(d1 - d0, [b - a for a, b in zip(p0, p1)])
+        return r
+
+    try:
+        result = phase(SamplingParams(temperature=0.0, max_tokens=max_tokens, skip_special_tokens=False))
+        if sampled:
+            kw = sampling_kwargs(sampled["sampling"])
+            result["sampled"] = []
+            for seed in sampled["seeds"]:
+                sps = [SamplingParams(**kw, max_tokens=max_tokens, skip_special_tokens=False,
+                                      seed=sample_seed(seed, str(i))) for i in range(len(reqs))]
+                result["sampled"].append(phase(sps) | {"seed": seed})
         return result
     finally:
         del llm
@@ -91,7 +111,7 @@ def online_run(engine_kwargs: dict, prompts: list[list[int]], max_tokens: int,
 
 
 def online_run_isolated(engine_kwargs: dict, prompts: list[list[int]], max_tokens: int,
-                        speculative_config: dict | None) -> dict[str, Any]:
+                        speculative_config: dict | None, sampled: dict | None = None) -> dict[str, Any]:
     """`online_run` in a child process. Engines must not share a process here: vLLM's n-gram
     proposer imports numba/llvmlite, after which vLLM 0.32's CPU kernel-override scan fails
     for every later engine in that process ('_lib_fn_wrapper' object has no attribute 'get')."""
@@ -103,7 +123,8 @@ def online_run_isolated(engine_kwargs: dict, prompts: list[list[int]], max_token
     with tempfile.TemporaryDirectory(prefix="eagle_ray_online_") as d:
         req, res = Path(d) / "request.json", Path(d) / "result.json"
         req.write_text(json.dumps({"engine_kwargs": engine_kwargs, "prompts": prompts,
-                                   "max_tokens": max_tokens, "speculative_config": speculative_config}))
+                                   "max_tokens": max_tokens, "speculative_config": speculative_config,
+                                   "sampled": sampled}))
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         subprocess.run([sys.executable, "-m", "eagle_ray.evaluate.acceptance", str(req), str(res)],
                        check=True, env=env, timeout=3600)
@@ -112,7 +133,12 @@ def online_run_isolated(engine_kwargs: dict, prompts: list[list[int]], max_token
 
 def prompts_from_ingest(prompts_dir: str | Path, tokenizer, limit: int,
                         exclude_ids: set[str] | None = None) -> list[list[int]]:
+    """Token ids of up to `limit` ingest prompts, skipping every prompt any of whose samples
+    is in exclude_ids (sample ids `<prompt>#<j>` exclude their prompt)."""
     from eagle_ray.common.tables import read_stage_table
+    from eagle_ray.data.ids import prompt_id
+
+    exclude_ids = {prompt_id(s) for s in exclude_ids} if exclude_ids else None
 
     _, table = read_stage_table(prompts_dir, "prompts.parquet", ["sample_id", "messages"], "ingest",
                                 columns=["sample_id", "messages"])
@@ -131,5 +157,6 @@ if __name__ == "__main__":  # child process of online_run_isolated
     import sys
 
     a = json.loads(Path(sys.argv[1]).read_text())
-    out = online_run(a["engine_kwargs"], a["prompts"], a["max_tokens"], a["speculative_config"])
+    out = online_run(a["engine_kwargs"], a["prompts"], a["max_tokens"], a["speculative_config"],
+                     a.get("sampled"))
     Path(sys.argv[2]).write_text(json.dumps(out))

@@ -26,7 +26,7 @@ from typing import Any
 from eagle_ray.common.outputs import check_output_dir, replace_dir_atomically
 from eagle_ray.common.provenance import atomic_write_json, provenance
 
-EXPORT_FILES = ("config.json", "model.safetensors")
+EXPORT_FILES = ("config.json", "model.safetensors", "serving.json")
 
 IDENTITY_KEYS = ("target_fingerprint", "tokenizer_fingerprint", "hidden_size", "num_layers",
                  "vocab_size", "aux_layer_ids", "capture_convention", "final_convention")
@@ -90,15 +90,48 @@ def export_drafter(run_dir: str | Path, out_dir: str | Path, *, untrained: bool 
     dtype = served_dtype(info["recipe"]["engine"]["dtype"], target_cfg)
     cfg = vllm_config(model.arch, target_cfg, manifest["aux_layer_ids"], dtype=dtype)
     cfg["eagle_ray"] = {"store": {k: manifest[k] for k in IDENTITY_KEYS},
+                        "target_path": manifest.get("target_path"),
                         "trained": not untrained, "run_dir": str(run.resolve()),
                         "provenance": provenance()}
+    serving = serving_recommendation(info, Path(out_dir).resolve())
+
     def write(tmp: Path) -> None:
         save_file(state_dict_for_export(model, getattr(torch, dtype)), str(tmp / "model.safetensors"))
         atomic_write_json(tmp / "config.json", cfg)
+        atomic_write_json(tmp / "serving.json", serving)
 
     # Written next to out_dir and swapped in with one rename: an earlier export is replaced
     # whole or not at all, and a failure leaves no temporary behind.
     return replace_dir_atomically(out_dir, "export", write, only=EXPORT_FILES)
+
+
+def serving_recommendation(info: dict[str, Any], drafter_dir: Path) -> dict[str, Any]:
+    """serving.json: how to serve this drafter the way it was trained to be served: the
+    speculative_config for vLLM, the sampling requests should use (the serving profile), the
+    sampling its training data was regenerated at, and a `vllm serve` command line."""
+    from eagle_ray.config import ServeConfig
+
+    recipe = info["recipe"]
+    serve = {**{f.name: None for f in __import__("dataclasses").fields(ServeConfig)},
+             **(recipe.get("serve") or {})}
+    gen = (info.get("store_manifest") or {}).get("generation") or {}
+    profile = (gen.get("serving_profile") or
+               {k: serve.get(k) for k in ("temperature", "top_p", "top_k", "min_p")})
+    spec = {"method": "eagle3", "model": str(drafter_dir),
+            "num_speculative_tokens": int(recipe["drafter"]["num_speculative_tokens"]),
+            "draft_sample_method": serve.get("draft_sample_method") or "greedy"}
+    target = recipe["target"]
+    tp = int(target.get("tensor_parallel_size", 1))
+    cmd = (f"vllm serve {target['path']} --tensor-parallel-size {tp} "
+           f"--speculative-config '{json.dumps(spec)}'"
+           + (" --trust-remote-code" if target.get("trust_remote_code") else ""))
+    return {"speculative_config": spec,
+            "request_sampling": {k: profile.get(k) for k in ("temperature", "top_p", "top_k", "min_p")},
+            "serving_profile_source": profile.get("source") or serve.get("source"),
+            "trained_on_sampling": gen.get("sampling"),
+            "command": cmd,
+            "note": "Send requests with request_sampling (the serving profile this drafter was "
+                    "trained for); `eagle-ray evaluate` measures its acceptance there."}
 
 
 def read_drafter_config(drafter_dir: str | Path) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 
 from eagle_ray.config import Recipe
 from eagle_ray.targets.resolve import resolve_target_path
+from eagle_ray.targets.serving import generation_sampling, serving_profile
 from eagle_ray.generate.stage import CONVERSATIONS_SCHEMA, INPUT_COLUMNS, GenerateUDF, LoggedUDF
 from eagle_ray.common.outputs import claim_output_dir
 from eagle_ray.common.tables import read_stage_table
@@ -65,8 +66,11 @@ def generation_params(recipe: Recipe, model_dir: Path) -> dict:
         "target": {"path": recipe.target.path, "resolved_path": str(model_dir),
                    "revision": recipe.target.revision,
                    "fingerprint": target_fingerprint(model_dir)},
-        "sampling": {"temperature": g.temperature, "top_p": g.top_p, "max_tokens": g.max_tokens,
-                     "seed": recipe.engine.seed} if g.mode == "regenerate" else None,
+        # The sampling generation draws at (generate.* else the serving profile) and the
+        # serving profile itself: a drafter is traced to both.
+        "sampling": ({**generation_sampling(recipe, model_dir), "max_tokens": g.max_tokens}
+                     if g.mode == "regenerate" else None),
+        "serving_profile": serving_profile(recipe, model_dir),
         "engine": {"dtype": recipe.engine.dtype, "max_model_len": recipe.engine.max_model_len,
                    "tensor_parallel_size": recipe.target.tensor_parallel_size},
         "max_seq_len": recipe.data.max_seq_len,
@@ -98,9 +102,13 @@ def generation_dataset(recipe: Recipe, prompts: pa.Table, model_dir: Path):
 
 
 def _done_ids(parts_dir: Path) -> set[str]:
+    """Ids of the PROMPTS done in parts_dir: all completions of a prompt are written in one
+    part (one batch), so a prompt is done when any of its rows is there."""
+    from eagle_ray.data.ids import prompt_id
+
     done: set[str] = set()
     for f in sorted(parts_dir.glob("part-*.parquet")):
-        done.update(pq.read_table(f, columns=["sample_id"]).column("sample_id").to_pylist())
+        done.update(map(prompt_id, pq.read_table(f, columns=["sample_id"]).column("sample_id").to_pylist()))
     return done
 
 
@@ -172,7 +180,10 @@ def run_generate(recipe: Recipe, prompts: str | Path, out_dir: str | Path, *,
 
 
 def consolidate(out: Path, prompts: pa.Table, params: dict) -> dict[str, int]:
-    """Parts -> conversations.parquet (prompt order), rejects.jsonl, manifest.json; atomic."""
+    """Parts -> conversations.parquet (prompt order, then completion index), rejects.jsonl,
+    manifest.json; atomic."""
+    from eagle_ray.data.ids import SEP, prompt_id
+
     parts = sorted((out / PARTS_DIR).glob("part-*.parquet"))
     all_rows = (pa.concat_tables([pq.read_table(f, schema=CONVERSATIONS_SCHEMA) for f in parts])
                 if parts else CONVERSATIONS_SCHEMA.empty_table())
@@ -180,11 +191,14 @@ def consolidate(out: Path, prompts: pa.Table, params: dict) -> dict[str, int]:
     if len(set(ids)) != len(ids):  # cannot happen by construction; never ship duplicates
         raise AssertionError(f"{len(ids) - len(set(ids))} duplicate sample ids across parts in {out}")
     order = {sid: i for i, sid in enumerate(prompts.column("sample_id").to_pylist())}
-    extra = [sid for sid in ids if sid not in order]
+    extra = [sid for sid in ids if prompt_id(sid) not in order]
     if extra:
         raise ValueError(f"{out} holds {len(extra)} samples that are not in these prompts "
                          f"(e.g. {extra[0]}); it belongs to another prompt set")
-    rank = pa.array([order[sid] for sid in ids], pa.int64())
+    n = params["sampling"]["samples_per_prompt"] if params.get("sampling") else 1
+    # prompt order, then completion index (ids "<prompt>#<j>")
+    rank = pa.array([order[prompt_id(sid)] * n + (int(sid.rpartition(SEP)[2]) if SEP in sid else 0)
+                     for sid in ids], pa.int64())
     all_rows = all_rows.append_column("_rank", rank).sort_by("_rank").drop(["_rank"])
     is_ok = pc.equal(all_rows.column("status"), "ok")
     ok = all_rows.filter(is_ok)
@@ -194,8 +208,8 @@ def consolidate(out: Path, prompts: pa.Table, params: dict) -> dict[str, int]:
                          "message": r["message"]}, ensure_ascii=False)
              for r in rej.select(["sample_id", "source", "reason", "message"]).to_pylist()]
     atomic_write_bytes(out / REJECTS_FILE, "".join(l + "\n" for l in lines).encode())
-    counts = {"prompts": prompts.num_rows, "ok": ok.num_rows, "rejected": rej.num_rows,
-              "pending": prompts.num_rows - all_rows.num_rows}
+    counts = {"prompts": prompts.num_rows, "samples_per_prompt": n, "ok": ok.num_rows,
+              "rejected": rej.num_rows, "pending": prompts.num_rows * n - all_rows.num_rows}
     import vllm  # version of the engine that produced the outputs
 
     manifest = {"schema_version": SCHEMA_VERSION, "stage": "generate", **params,

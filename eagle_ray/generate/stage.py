@@ -122,19 +122,42 @@ class _Regenerate(_Base):
     runs the requests is the subclass's (GenerateUDF: a vLLM engine of its own; the colocated
     stage: the capture engine, see eagle_ray/stream/colocated.py)."""
 
-    def _init_sampling(self, max_model_len: int) -> None:
+    def _init_sampling(self, max_model_len: int, model_path: str) -> None:
         from vllm import SamplingParams
 
+        from eagle_ray.data.ids import sample_seed
+        from eagle_ray.targets.serving import generation_sampling, sampling_kwargs
+
         self.max_model_len = max_model_len
-        g, seed = self.recipe.generate, self.recipe.engine.seed
-        self._sampling = lambda max_tokens: SamplingParams(
-            temperature=g.temperature, top_p=g.top_p, max_tokens=max_tokens,
-            seed=seed, skip_special_tokens=False)
+        self.sampling = generation_sampling(self.recipe, model_path)
+        kw, seed = sampling_kwargs(self.sampling), self.sampling["seed"]
+        greedy = self.sampling["temperature"] == 0
+        # One seed per sample (not per engine): a completion is the same whichever batch or
+        # replica draws it, and the N completions of a prompt differ.
+        self._sampling = lambda max_tokens, sid: SamplingParams(
+            **kw, max_tokens=max_tokens, seed=None if greedy else sample_seed(seed, sid),
+            skip_special_tokens=False)
+
+    def _expand(self, batch: pa.Table) -> pa.Table:
+        """Prompt rows -> one row per completion to draw (generate.samples_per_prompt), ids
+        `<prompt id>#<j>`; the N rows of a prompt stay together in this batch."""
+        from eagle_ray.data.ids import completion_id
+
+        n = self.recipe.generate.samples_per_prompt
+        if n == 1:
+            return batch
+        idx = pa.array([i for i in range(batch.num_rows) for _ in range(n)], pa.int64())
+        out = batch.take(idx)
+        ids = [completion_id(pid, j, n) for pid in batch.column("sample_id").to_pylist()
+               for j in range(n)]
+        return out.set_column(out.schema.get_field_index("sample_id"), "sample_id",
+                              pa.array(ids, pa.string()))
 
     def _prepare(self, batch: pa.Table):
         """(cols, rows rejected up front, [(row index, params, prompt ids, messages,
-        reasoning started in the prompt)] to run)."""
+        reasoning started in the prompt)] to run), over the batch's completion rows."""
         g = self.recipe.generate
+        batch = self._expand(batch)
         rows: dict[int, dict[str, Any]] = {}
         todo: list[tuple[int, Any, list[int], list[dict], bool]] = []
         cols = {c: batch.column(c).to_pylist() for c in INPUT_COLUMNS}
@@ -151,7 +174,7 @@ class _Regenerate(_Base):
                                    f"prompt has {len(ids):,} tokens; the context limit is "
                                    f"{self.max_model_len:,}, leaving no room to generate")
                 continue
-            params = self._sampling(min(g.max_tokens, room))
+            params = self._sampling(min(g.max_tokens, room), sid)
             started = text.rstrip().endswith(g.think_start)
             todo.append((i, params, ids, messages, started))
         return cols, rows, todo
@@ -182,7 +205,28 @@ class _Regenerate(_Base):
                            completion_token_ids=completion, num_prompt_tokens=len(ids),
                            num_completion_tokens=len(completion),
                            **_window(len(ids), len(completion), max_seq_len))
-        return self._table([rows[i] for i in range(len(cols["sample_id"]))])
+        out = [rows[i] for i in range(len(cols["sample_id"]))]
+        if self.recipe.generate.samples_per_prompt > 1:
+            _drop_duplicate_completions(out)
+        return self._table(out)
+
+
+def _drop_duplicate_completions(rows: list[dict[str, Any]]) -> None:
+    """A completion equal to an earlier one of the same prompt (token for token) is kept once:
+    the later ones become rejects (duplicate_completion), so they are counted, not trained
+    on twice. All completions of a prompt are in one batch, so this is exact."""
+    from eagle_ray.data.ids import prompt_id
+
+    seen: dict[tuple, str] = {}
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        key = (prompt_id(r["sample_id"]), tuple(r["completion_token_ids"]))
+        if key in seen:
+            r.update(rejected(r["sample_id"], r["source"], "duplicate_completion",
+                              f"the same completion as {seen[key]} of the same prompt"))
+        else:
+            seen[key] = r["sample_id"]
 
 
 def _close_if_alive(ref) -> None:
@@ -219,7 +263,7 @@ class GenerateUDF(_Regenerate):
         self.engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(**engine_kwargs(recipe, model_path)),
             stat_loggers=[RayPrometheusStatLogger])
-        self._init_sampling(self.engine.model_config.max_model_len)
+        self._init_sampling(self.engine.model_config.max_model_len, model_path)
         self._seq = 0
 
         # Shut the engine down when the actor exits, before the engine-core process is killed

@@ -212,13 +212,18 @@ def format_plan(plan: Plan) -> str:
 def plan_from_stats(recipe: Recipe, stats: dict[str, Any], lengths: Sequence[int] | None = None,
                     out_dir: str | Path | None = None) -> Plan:
     o = stats["overall"]
-    n = int(recipe.data.num_samples or o["samples"])
+    # An ingest table holds prompts: generation draws samples_per_prompt samples from each.
+    per = (recipe.generate.samples_per_prompt
+           if str(stats["table"]).endswith("prompts.parquet") else 1)
+    n = int(recipe.data.num_samples or o["samples"] * per)
     avg = float(recipe.data.avg_tokens_per_sample or o["mean_tokens"] or 0)
     if n == 0 or avg == 0:
         raise ValueError(f"stats of {stats['table']} show no tokens; nothing to plan")
     loss = int(o["loss_tokens"] * n / o["samples"]) if o["loss_tokens"] else None
+    if lengths is not None and per > 1 and n == o["samples"] * per:
+        lengths = [x for x in lengths for _ in range(per)]  # each prompt's length, N times
     return make_plan(recipe, num_samples=n, avg_tokens=avg, loss_tokens=loss,
-                     lengths=lengths if n == o["samples"] else None, out_dir=out_dir)
+                     lengths=lengths if n == o["samples"] * per else None, out_dir=out_dir)
 
 
 def plan_from_recipe(recipe: Recipe, out_dir: str | Path | None = None) -> Plan:

@@ -88,7 +88,7 @@ class ColocatedUDF(_Regenerate):
         self.extract = ExtractUDF(recipe, model_path, store_dir, manifest, backend=self.capture)
         self.logged = (LoggedUDF(recipe, model_path) if recipe.generate.mode == "keep_logged"
                        else None)
-        self._init_sampling(self.capture.llm.llm_engine.model_config.max_model_len)
+        self._init_sampling(self.capture.llm.llm_engine.model_config.max_model_len, model_path)
 
     def _generate(self, batch: pa.Table) -> pa.Table:
         from vllm.inputs import TokensPrompt

@@ -30,10 +30,14 @@ from eagle_ray.store.reader import HiddenStateStore
 
 
 def split_ids(ids: Sequence[str], val_fraction: float) -> tuple[list[str], list[str]]:
-    """Stable train/validation split by sample-id hash (adding samples keeps old ones put)."""
+    """Stable train/validation split by PROMPT-id hash: every completion of a prompt
+    (`<prompt>#<j>`) lands on the same side, so none of a held-out prompt's is trained on;
+    adding samples keeps old ones put."""
+    from eagle_ray.data.ids import prompt_id
+
     train, val = [], []
     for sid in ids:
-        h = int.from_bytes(hashlib.blake2b(sid.encode(), digest_size=8).digest(), "little")
+        h = int.from_bytes(hashlib.blake2b(prompt_id(sid).encode(), digest_size=8).digest(), "little")
         (val if h / 2**64 < val_fraction else train).append(sid)
     return train, val
 

@@ -146,6 +146,12 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     step, epoch, step_in_epoch = 0, 0, 0
     # The driver picked the newest checkpoint that loads (every rank must use the same one).
     ckpt = Path(cfg["resume_from"]) if cfg.get("resume_from") else None
+    if ckpt is None and cfg.get("init_state"):
+        # A run started from a published drafter (train.init_from): its weights (the driver
+        # converted and checked them, RUN/init/), a fresh optimizer; resume takes precedence.
+        model.load_state_dict(load_file(cfg["init_state"]), strict=True)
+        if rank == 0:
+            logger.info("initial weights from %s", cfg["init_state"])
     if ckpt is not None:
         model.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=False)
         o = torch.load(ckpt / "optim.pt", weights_only=True, map_location=device)

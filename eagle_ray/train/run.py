@@ -39,7 +39,7 @@ def drafter_arch(recipe: Recipe, target_dir: Path):
     over["head_dim"] = d.head_dim or recipe.target.hidden_size // heads
     if d.num_key_value_heads:
         over["num_key_value_heads"] = d.num_key_value_heads
-    over["intermediate_size"] = recipe.target.intermediate_size
+    over["intermediate_size"] = d.intermediate_size or recipe.target.intermediate_size
     return drafter_arch_from_target_config(cfg, d.draft_vocab_size, ttt_steps=d.ttt_steps, **over)
 
 
@@ -50,28 +50,36 @@ def prepare_run(recipe: Recipe, store_dir: str | Path, run_dir: str | Path) -> d
     from eagle_ray.store.reader import HiddenStateStore
     from eagle_ray.train.data import loss_token_counts
 
+    from eagle_ray.targets.identity import check_same_target, recorded_target
+
     run = Path(run_dir)
     path = run / "run.json"
     manifest_bytes = (Path(store_dir) / "manifest.json").read_bytes()
+    target_dir = resolve_target_path(recipe.target)
+    # Before anything else: features of another target (same shapes, same tokenizer) would
+    # train without an error.
+    check_same_target(recipe, target_dir, recorded_target(json.loads(manifest_bytes)),
+                      f"the store {store_dir}")
     if path.exists():
         info = json.loads(path.read_text())
         if info["store_manifest_sha256"] != hashlib.sha256(manifest_bytes).hexdigest():
             raise ValueError(f"{run} was started on another store; use a new --out run directory")
         return info
     store = HiddenStateStore(store_dir)
-    target_dir = resolve_target_path(recipe.target)
     arch = drafter_arch(recipe, target_dir)
     if store.manifest.hidden_size != arch.hidden_size:
         raise ValueError(f"store hidden size {store.manifest.hidden_size} != target's {arch.hidden_size}")
+    pub, arch = _published(recipe, target_dir, arch, json.loads(manifest_bytes))
     train_ids, val_ids = _split(store.sample_ids, recipe.train.val_fraction)
     counts = loss_token_counts(((r["input_ids"], r["loss_mask"]) for r in map(store.raw, train_ids)),
                                arch.target_vocab_size)
+    claim_output_dir(run, "train")
+    vocab = _init_fields(recipe, run, pub, arch, _vocab_fields(counts, arch))
     info = {"recipe": recipe.to_dict(), "arch": asdict(arch), "store": str(Path(store_dir).resolve()),
             "store_manifest": json.loads(manifest_bytes),
             "store_manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
             "target_dir": str(target_dir), "train_ids": train_ids, "val_ids": val_ids,
-            **_vocab_fields(counts, arch), "provenance": provenance()}
-    claim_output_dir(run, "train")
+            **vocab, "provenance": provenance()}
     atomic_write_json(path, info)
     return info
 
@@ -93,6 +101,57 @@ def _vocab_fields(counts, arch) -> dict[str, Any]:
     d2t, _ = build_draft_vocab(counts, arch.draft_vocab_size)
     return {"d2t": d2t.tolist(), "most_common_token": int(counts.argmax()),
             "most_common_token_share": float(counts.max() / max(1, counts.sum()))}
+
+
+def _published(recipe: Recipe, target_dir: Path, arch, manifest: dict[str, Any]):
+    """(the published drafter of train.init_from, the run's arch) after every check, or
+    (None, arch). The drafter's rope theta and norm eps are part of what its weights mean,
+    so the run takes them."""
+    import dataclasses
+
+    if not recipe.train.init_from:
+        return None, arch
+    from eagle_ray.targets.identity import check_same_target
+    from eagle_ray.train.init import check_published, read_published
+
+    pub = read_published(recipe.train.init_from)
+    check_same_target(recipe, target_dir, pub.recorded_target,
+                      f"the drafter train.init_from={pub.path}")
+    check_published(pub, arch, manifest, recipe.train.init_vocab)
+    c = pub.config
+    arch = dataclasses.replace(arch, rms_norm_eps=c["rms_norm_eps"],
+                               rope_theta=c["rope_theta"] or arch.rope_theta)
+    return pub, arch
+
+
+def _init_fields(recipe: Recipe, run: Path, pub, arch, vocab: dict[str, Any]) -> dict[str, Any]:
+    """run.json fields of a run started from a published drafter: its d2t (init_vocab keep)
+    or the data's (init_vocab data, rows carried), and RUN/init/model.safetensors, the
+    initial state every rank loads."""
+    if pub is None:
+        return vocab
+    import hashlib
+
+    import torch
+    from safetensors.torch import save_file
+
+    from eagle_ray.train.init import init_state, published_d2t
+
+    if recipe.train.init_vocab == "keep":
+        vocab = {**vocab, "d2t": published_d2t(pub).tolist()}
+    state, rows = init_state(pub, arch, torch.tensor(vocab["d2t"]), recipe.train.seed)
+    (run / "init").mkdir(parents=True, exist_ok=True)
+    tmp = run / "init" / ".model.safetensors.tmp"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+    tmp.replace(run / "init" / "model.safetensors")
+    digest = hashlib.sha256((run / "init" / "model.safetensors").read_bytes()).hexdigest()
+    logger.info("train: starting from %s (%s layout), draft vocabulary %s: %d lm_head rows "
+                "carried, %d fresh", pub.path, pub.layout, recipe.train.init_vocab,
+                rows["carried_rows"], rows["fresh_rows"])
+    return {**vocab, "init_from": {"dir": str(pub.path.resolve()), "layout": pub.layout,
+                                   "vocab": recipe.train.init_vocab, **rows,
+                                   "state": str(run / "init" / "model.safetensors"),
+                                   "sha256": digest}}
 
 
 def run_train(recipe: Recipe, store_dir: str | Path | None, run_dir: str | Path, *,
@@ -139,10 +198,18 @@ def prepare_run_online(recipe: Recipe, conversations: str | Path, run_dir: Path,
 
     from eagle_ray.train.data import loss_token_counts
 
+    from eagle_ray.extract.run import generation_provenance
+    from eagle_ray.targets.identity import check_same_target
+
     path = run_dir / "run.json"
     conv = Path(conversations).resolve()
     conv_file = conv / "conversations.parquet" if conv.is_dir() else conv
     digest = hashlib.sha256(conv_file.read_bytes()).hexdigest()
+    gen = (generation_provenance(conv_file.parent) or {}).get("target") or {}
+    check_same_target(recipe, resolve_target_path(recipe.target),
+                      {"path": gen.get("path"), "architecture": None,
+                       "fingerprint": gen.get("fingerprint")},
+                      f"the conversations {conv_file.parent} (generated by it)")
     if path.exists():
         info = json.loads(path.read_text())
         if info.get("conversations_sha256") != digest:
@@ -150,19 +217,21 @@ def prepare_run_online(recipe: Recipe, conversations: str | Path, run_dir: Path,
         return info
     target_dir = resolve_target_path(recipe.target)
     arch = drafter_arch(recipe, target_dir)
-    train_ids, val_ids = _split(windows, recipe.train.val_fraction)
-    counts = loss_token_counts((windows[s][:2] for s in train_ids), arch.target_vocab_size)
-    from eagle_ray.extract.run import generation_provenance, make_manifest
+    from eagle_ray.extract.run import make_manifest
 
     # The identity of the features trained on, as a store extracted from these conversations
     # would record it (export writes it into the drafter's config; no store exists).
     manifest = make_manifest(recipe, target_dir, generation_provenance(conv_file.parent)).to_dict()
+    pub, arch = _published(recipe, target_dir, arch, manifest)
+    train_ids, val_ids = _split(windows, recipe.train.val_fraction)
+    counts = loss_token_counts((windows[s][:2] for s in train_ids), arch.target_vocab_size)
+    claim_output_dir(run_dir, "train")
+    vocab = _init_fields(recipe, run_dir, pub, arch, _vocab_fields(counts, arch))
     info = {"recipe": recipe.to_dict(), "arch": asdict(arch), "online": True, "store": None,
             "store_manifest": manifest,
             "conversations": str(conv_file), "conversations_sha256": digest,
             "target_dir": str(target_dir), "train_ids": train_ids, "val_ids": val_ids,
-            **_vocab_fields(counts, arch), "provenance": provenance()}
-    claim_output_dir(run_dir, "train")
+            **vocab, "provenance": provenance()}
     atomic_write_json(path, info)
     return info
 
@@ -245,6 +314,7 @@ def _fit(recipe: Recipe, run: Path, info: dict, data: dict) -> dict[str, Any]:
     cfg = {"run_dir": str(run), **data, "target_dir": info["target_dir"],
            "arch": info["arch"], "d2t": info["d2t"], "train_ids": info["train_ids"],
            "val_ids": info["val_ids"], "resume_from": str(resume) if resume else None,
+           "init_state": (info.get("init_from") or {}).get("state"),
            "train": {**asdict(t), "use_gpu": use_gpu, "ttt_steps": recipe.drafter.ttt_steps},
            "threads_per_worker": max(1, int(t.cpus_per_worker))}
     resources = {"CPU": t.cpus_per_worker} | ({"GPU": 1} if use_gpu else {})

