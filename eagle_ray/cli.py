@@ -355,9 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True, help="ingest output dir (held-out prompts are used)")
     p.add_argument("--out", required=True)
     p.add_argument("--k", type=int, help="draft tokens per step (default drafter.num_speculative_tokens)")
-    p.add_argument("--limit", type=int, default=64, help="held-out prompts to run online")
-    p.add_argument("--seeds", type=int, default=2,
-                   help="seeds at the serving profile (0: greedy only); spread is reported")
+    p.add_argument("--limit", type=int, help="held-out prompts to run online (default evaluate.prompts)")
+    p.add_argument("--seeds", type=int,
+                   help="seeds at the serving profile (default evaluate.seeds; 0: greedy only)")
     p.set_defaults(fn=cmd_evaluate)
 
     p = sub.add_parser("check", help="verify serving feeds the drafter the features it was trained on")

@@ -413,6 +413,21 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class EvaluateConfig:
+    """What `evaluate` measures (online, in vLLM, on held-out prompts)."""
+
+    prompts: int = 64
+    """Held-out prompts run online (each run: greedy, then once per seed as served)."""
+    seeds: int = 2
+    """Seeds at the serving profile (0: greedy only); the report gives mean and spread."""
+
+    def __post_init__(self) -> None:
+        if self.prompts < 1 or self.seeds < 0:
+            raise ValueError(f"evaluate: need prompts >= 1 and seeds >= 0, got {self.prompts}, "
+                             f"{self.seeds}")
+
+
+@dataclass(kw_only=True, frozen=True)
 class Recipe:
     """Everything a run needs, by component."""
 
@@ -426,6 +441,7 @@ class Recipe:
     engine: EngineConfig = field(default_factory=EngineConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
 
     def __post_init__(self) -> None:
         if self.generate.gpus_per_replica not in (0, self.target.tensor_parallel_size):

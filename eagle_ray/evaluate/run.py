@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 
 
 def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, out_dir: str | Path,
-                 *, k: int | None = None, limit: int = 64, seeds: int = 2) -> dict[str, Any]:
+                 *, k: int | None = None, limit: int | None = None,
+                 seeds: int | None = None) -> dict[str, Any]:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
@@ -40,6 +41,8 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
                          "export it with `eagle-ray export`")
     info = json.loads((run_dir / "run.json").read_text())
     k = k or recipe.drafter.num_speculative_tokens
+    limit = recipe.evaluate.prompts if limit is None else limit
+    seeds = recipe.evaluate.seeds if seeds is None else seeds
     model_dir = resolve_target_path(recipe.target)
     from eagle_ray.targets.identity import check_same_target, recorded_target
 
@@ -122,6 +125,8 @@ def _as_served(runs: dict[str, Any], profile: dict, sampled: dict) -> dict[str, 
     most (what the export recommends)."""
     import statistics
 
+    from eagle_ray.evaluate.acceptance import pooled
+
     out: dict[str, Any] = {}
     for name, r in runs.items():
         per_seed = r["sampled"]
@@ -182,7 +187,9 @@ def _markdown(r: dict) -> str:
                 served += f"| {label} | - | - | " + " | ".join("-" for _ in range(k))
             served += f" | {m['tokens_per_s']:,.0f} | {m['speedup_vs_baseline']:.2f}x |\n"
         served += (f"\nRecommended draft_sample_method: {s['recommended_draft_sample_method']} "
-                   f"(mean acceptance length {s['draft_sample_method']}). Speedups are measured "
+                   "(mean acceptance length: " + ", ".join(
+                       f"{m} {a:.3f}" for m, a in s["draft_sample_method"].items())
+                   + "). Speedups are measured "
                    "on this machine (the tiny CPU target: a drafter step costs about a target "
                    "step there, so they say little about a large target on GPUs).\n")
     return (f"# Drafter evaluation\n\n{r['prompts']} held-out prompts, k = {k}, greedy, "

@@ -209,3 +209,65 @@ def test_full_vocab_export_has_no_d2t_served_dtype_and_loads_in_vllm(trained, tm
             del llm
             gc.collect()
     assert outs[0] == outs[1]
+
+
+def _val_at(run, step):
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l]
+    return next(r for r in rows if r.get("step") == step and "val/acc_step0" in r)
+
+
+def test_init_from_an_export_continues_where_it_left_off(trained, tmp_path):
+    """Run B starts from run A's export (weights only) on the same store and split: B's
+    step-0 validation equals A's final one. A float32 export of float32 training: equal up to
+    summation order, tolerance 1e-5. Then the same drafter in speculators' layout, and a
+    drafter for other aux layers, refused before any worker starts."""
+    from eagle_ray.train.run import run_train
+
+    d, r = trained
+    b = load_recipe("tiny_cpu", BASE + ["train.max_steps=1", "train.eval_interval=150",
+                                        f"train.init_from={d / 'drafter'}"])
+    run_train(b, d / "store", tmp_path / "b")
+    a_final, b_start = _val_at(d / "run", 150), _val_at(tmp_path / "b", 0)
+    for key in ("val/loss_step0", "val/acc_step0", "val/loss_step1", "val/acc_step1"):
+        assert b_start[key] == pytest.approx(a_final[key], abs=1e-5), key
+    info_a = json.loads((d / "run" / "run.json").read_text())
+    info_b = json.loads((tmp_path / "b" / "run.json").read_text())
+    assert info_b["d2t"] == info_a["d2t"] and info_b["val_ids"] == info_a["val_ids"]
+    assert info_b["init_from"]["layout"] == "vllm" and info_b["init_from"]["fresh_rows"] == 0
+
+    bad = _edit_config(d / "drafter", tmp_path / "bad", lambda c: (
+        c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 5]),
+        c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 5])))
+    with pytest.raises(ValueError, match=r"aux layer ids \[1, 2, 5\] vs the features' \[2, 4, 5\]"):
+        run_train(load_recipe("tiny_cpu", BASE + [f"train.init_from={bad}"]), d / "store",
+                  tmp_path / "c")
+    assert not (tmp_path / "c" / "checkpoints").exists()  # refused before training
+
+
+def test_another_targets_store_and_drafter_are_refused_naming_both(trained, tmp_path):
+    """The tiny Llama and the Kimi twin share shapes and tokenizer: train, check and evaluate
+    refuse a store / drafter of the other one before any worker starts, naming both."""
+    import subprocess
+    import sys
+
+    from eagle_ray.evaluate.check import run_check
+    from eagle_ray.evaluate.run import run_evaluate
+    from eagle_ray.targets.identity import TargetMismatchError
+
+    d, _ = trained
+    kimi = load_recipe("tiny_kimi_cpu", ["train.cpus_per_worker=1"])
+    both = r"'tiny' \(LlamaForCausalLM.*recipe tiny_kimi_cpu runs 'tiny-kimi'"
+    p = subprocess.run([sys.executable, "-m", "eagle_ray.cli", "train", "--recipe", "tiny_kimi_cpu",
+                        "--store", str(d / "store"), "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert "was made from another target: 'tiny' (LlamaForCausalLM" in p.stderr, p.stderr[-2000:]
+    assert "recipe tiny_kimi_cpu runs 'tiny-kimi'" in p.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    with pytest.raises(TargetMismatchError, match=both):
+        run_check(kimi, d / "drafter", d / "store")
+    with pytest.raises(TargetMismatchError, match="another target"):
+        run_evaluate(kimi, d / "drafter", d / "prompts", tmp_path / "eval")
+    # the deliberate case: an explicit override
+    run_check(load_recipe("tiny_kimi_cpu", ["target.allow_other_target=true"]), d / "drafter",
+              d / "store", runtime=False)

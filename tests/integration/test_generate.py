@@ -73,13 +73,22 @@ def test_every_prompt_ends_in_output_or_rejects(full_run, prompts_dir):
     assert r["completion_text"].startswith("<think>") and r["content"] in r["completion_text"]
 
 
-def test_greedy_outputs_equal_direct_vllm(full_run, tiny_target_dir, tiny_tokenizer):
+def test_sampled_outputs_equal_direct_vllm_at_the_same_per_sample_seeds(
+        full_run, tiny_target_dir, tiny_tokenizer):
+    """Regeneration samples at the serving profile (tiny_cpu: 1.0 / 0.95) with one seed per
+    sample, so each completion is reproducible by itself: a direct vLLM engine given the same
+    seeds writes the same tokens (and the engine survived sampling with seeds on the CPU)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from eagle_ray.data.ids import sample_seed
     from eagle_ray.vllm.engine import engine_kwargs
 
     _, out = full_run
+    manifest = json.loads((out / "manifest.json").read_text())
+    s = manifest["sampling"]
+    assert (s["temperature"], s["top_p"], s["as_served"]) == (1.0, 0.95, True)
+    assert manifest["serving_profile"]["from"]["temperature"] == "recipe"
     rows = pq.read_table(out / "conversations.parquet").to_pylist()
     recipe = load_recipe("tiny_cpu", OVERRIDES)
     llm = LLM(**engine_kwargs(recipe, str(tiny_target_dir)))
@@ -89,7 +98,9 @@ def test_greedy_outputs_equal_direct_vllm(full_run, tiny_target_dir, tiny_tokeni
                  for p in prompts]
         ids = [tiny_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         outs = llm.generate([TokensPrompt(prompt_token_ids=i) for i in ids],
-                            SamplingParams(temperature=0, max_tokens=40, skip_special_tokens=False))
+                            [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=40,
+                                            seed=sample_seed(0, r["sample_id"]),
+                                            skip_special_tokens=False) for r in rows])
     finally:
         del llm
     assert [r["prompt_token_ids"] for r in rows] == ids
@@ -127,3 +138,53 @@ def test_resume_after_kill_gives_same_output(full_run, prompts_dir, ray_cluster,
     cols = ["sample_id", "messages", "prompt_token_ids", "completion_token_ids", "finish_reason"]
     assert b.select(cols).equals(a.select(cols))
     assert (out / "rejects.jsonl").read_text() == (ref_out / "rejects.jsonl").read_text()
+
+
+def test_samples_per_prompt_killed_and_resumed_exactly(prompts_dir, ray_cluster, tmp_path):
+    """generate.samples_per_prompt=4: four samples per prompt with ids <prompt>#<j>, each
+    ending once in conversations or rejects; a run SIGKILLed mid-way and resumed equals an
+    uninterrupted one (per-sample seeds); a resume with other sampling is refused."""
+    from eagle_ray.data.ids import prompt_id
+    from eagle_ray.generate.run import run_generate
+
+    spp = OVERRIDES + ["generate.samples_per_prompt=4", "generate.max_tokens=24"]
+    ref = tmp_path / "ref"
+    run_generate(load_recipe("tiny_cpu", spp), prompts_dir, ref)
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "eagle_ray.cli", "generate", "--prompts", str(prompts_dir),
+           "--out", str(out)] + [a for o in spp for a in ("--set", o)]
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(list((out / "parts").glob("part-*.parquet"))) < 2:
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "conversations.parquet").exists(), "kill should land mid-run"
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+    prompts = pq.read_table(prompts_dir / "prompts.parquet").column("sample_id").to_pylist()
+    for d in (ref, out):
+        conv = pq.read_table(d / "conversations.parquet")
+        rejects = [json.loads(l) for l in (d / "rejects.jsonl").read_text().splitlines()]
+        ids = conv.column("sample_id").to_pylist() + [r["sample_id"] for r in rejects]
+        assert sorted(ids) == sorted(f"{q}#{j}" for q in prompts for j in range(4))  # no loss, no dup
+        assert {prompt_id(i) for i in ids} == set(prompts)
+        dups = [r for r in rejects if r["reason"] == "duplicate_completion"]
+        ok = conv.to_pylist()
+        seen = {(prompt_id(r["sample_id"]), tuple(r["completion_token_ids"])) for r in ok}
+        assert len(seen) == len(ok)  # identical completions of a prompt are kept once
+        m = json.loads((d / "manifest.json").read_text())
+        assert m["counts"]["samples_per_prompt"] == 4 and m["counts"]["pending"] == 0
+    cols = ["sample_id", "completion_token_ids"]
+    assert pq.read_table(out / "conversations.parquet").select(cols).equals(
+        pq.read_table(ref / "conversations.parquet").select(cols))
+    a = pq.read_table(ref / "conversations.parquet").to_pylist()
+    assert len({tuple(r["completion_token_ids"]) for r in a if r["sample_id"].startswith(prompts[0])}) > 1
+    print(f"samples_per_prompt=4: {len(a)} ok of {4 * len(prompts)}, {len(dups)} duplicate(s)")
+
+    with pytest.raises(ValueError, match="other parameters.*temperature"):
+        run_generate(load_recipe("tiny_cpu", spp + ["generate.temperature=0.7"]), prompts_dir, ref)
