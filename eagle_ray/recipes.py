@@ -76,7 +76,7 @@ def kimi_k25_8gpu() -> Recipe:
     code in the checkpoint (tiktoken-based), so runs are refused until the user allows it with
     --set target.trust_remote_code=true. `eagle-ray recipes kimi_k25_8gpu --check-target DIR`
     checks a download against this recipe without loading weights.
-    The drafter's single layer is a standard Llama layer with 64 heads of 128 (as published
+    The drafter's single layer is a standard Llama layer with 64 heads (and 64 KV heads) of 128 (as published
     Kimi-K2 EAGLE-3 drafters use; Kimi's config.json head_dim is its rope width, 64, not this)
     and the dense MLP width 18432.
     """
@@ -91,7 +91,11 @@ def kimi_k25_8gpu() -> Recipe:
         data=DataConfig(max_seq_len=8192),
         serve=KIMI_K25_THINKING,
         storage=StorageConfig(dtype="bf16", out_dir="/mnt/data/eagle_ray/kimi_k25/store"),
-        drafter=DrafterConfig(draft_vocab_size=32000, num_key_value_heads=8, head_dim=128),
+        # Shaped like SpecForge's configs/kimi-k25-eagle3.json (one Llama layer, 64 heads and
+        # 64 KV heads of 128, MLP 18432, draft vocabulary 32000), so starting from a drafter
+        # trained with it needs no override. lightseekorg/kimi-k2.5-eagle3 differs (MLP 12288,
+        # full vocabulary): train.init_from names both --set values it needs.
+        drafter=DrafterConfig(draft_vocab_size=32000, num_key_value_heads=64, head_dim=128),
         generate=GenerateConfig(max_tokens=8192, min_replicas=1, max_replicas=1,
                                 batch_size=64, gpus_per_replica=8),
         # Text only: EAGLE-3 drafts text; the vision tower is neither built nor loaded.
@@ -114,7 +118,7 @@ def tiny_kimi_cpu() -> Recipe:
     production recipe's, and CI runs the production code path of the real target. What is
     replaced, and only that (tests/unit/test_kimi_recipe.py holds the allowed list):
       numbers   the twin's shape (eagle_ray.targets.tiny.kimi.KIMI_TEXT_ARCH), TP 1, sizes, replica
-                CPU shares, the drafter's draft vocabulary and KV heads (GQA 4:2 as 64:8)
+                CPU shares, the drafter's draft vocabulary and KV heads (4 of 4, as 64 of 64)
                 and the tiny_cpu training schedule;
       paths     target "tiny-kimi" (built on first use), store out/store; the twin is
                 built locally and has no custom code, so `remote_code` is None;
@@ -138,7 +142,8 @@ def tiny_kimi_cpu() -> Recipe:
         data=r(gpu.data, max_seq_len=cpu.data.max_seq_len),
         storage=r(gpu.storage, out_dir=cpu.storage.out_dir),
         drafter=r(gpu.drafter, draft_vocab_size=cpu.drafter.draft_vocab_size,
-                  num_key_value_heads=2, head_dim=A["hidden_size"] // A["num_attention_heads"]),
+                  num_key_value_heads=A["num_attention_heads"],
+                  head_dim=A["hidden_size"] // A["num_attention_heads"]),
         generate=r(gpu.generate, max_tokens=cpu.generate.max_tokens,
                    batch_size=cpu.generate.batch_size, gpus_per_replica=0),
         engine=r(gpu.engine, dtype="float32", max_model_len=1024, enforce_eager=True,

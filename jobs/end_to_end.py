@@ -20,7 +20,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="out/run")
     p.add_argument("--online", action="store_true",
                    help="train online: features from extractor actors, no hidden-state store")
+    p.add_argument("--init-from", metavar="DRAFTER_DIR",
+                   help="fine-tune a published EAGLE-3 drafter (vLLM/SpecForge or speculators "
+                        "layout) instead of training from scratch (= --set train.init_from=DIR)")
     args = p.parse_args(argv)
+    if args.init_from:
+        args.set.append(f"train.init_from={args.init_from}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         run_end_to_end(load_recipe(args.recipe, args.set), args.data or SAMPLE_DATA, args.out,

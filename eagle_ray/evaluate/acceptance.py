@@ -81,7 +81,7 @@ def online_run(engine_kwargs: dict, prompts: list[list[int]], max_tokens: int,
     llm = LLM(**engine_kwargs, speculative_config=speculative_config, disable_log_stats=False)
     reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
-    def phase(sps) -> dict[str, Any]:
+    def phase(llm, sps) -> dict[str, Any]:
         d0, p0 = _spec_counters(llm) if speculative_config is not None else (0, [])
         t0 = time.perf_counter()
         outs = llm.generate(reqs, sps, use_tqdm=False)
@@ -96,14 +96,15 @@ def online_run(engine_kwargs: dict, prompts: list[list[int]], max_tokens: int,
         return r
 
     try:
-        result = phase(SamplingParams(temperature=0.0, max_tokens=max_tokens, skip_special_tokens=False))
+        result = phase(llm, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                           skip_special_tokens=False))
         if sampled:
             kw = sampling_kwargs(sampled["sampling"])
             result["sampled"] = []
             for seed in sampled["seeds"]:
                 sps = [SamplingParams(**kw, max_tokens=max_tokens, skip_special_tokens=False,
                                       seed=sample_seed(seed, str(i))) for i in range(len(reqs))]
-                result["sampled"].append(phase(sps) | {"seed": seed})
+                result["sampled"].append(phase(llm, sps) | {"seed": seed})
         return result
     finally:
         del llm

@@ -24,7 +24,12 @@ def main(argv=None) -> int:
     p.add_argument("--recipe", default="tiny_cpu")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--online", action="store_true", help="train online (no hidden-state store)")
+    p.add_argument("--init-from", metavar="DRAFTER_DIR",
+                   help="fine-tune this published drafter (e.g. out/demo/drafter) instead of "
+                        "training from scratch")
     args = p.parse_args(argv)
+    if args.init_from:
+        args.set.append(f"train.init_from={Path(args.init_from).resolve()}")
     out = Path(args.out).resolve()
     # One token-authentication mode for the head and for every job command sent to it.
     os.environ.update(launch.auth_env())
