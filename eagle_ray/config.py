@@ -124,7 +124,7 @@ class StorageConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class DrafterConfig:
-    """The EAGLE-3 drafter's shape (one decoder layer) and training-time test depth."""
+    """The EAGLE-3 drafter's shape (decoder layers, heads, widths, vocabulary) and TTT depth."""
 
     draft_vocab_size: int = 32000
     num_attention_heads: int | None = None
@@ -137,6 +137,9 @@ class DrafterConfig:
     Llama-style drafter layer for Kimi uses 128). None: hidden_size // num_attention_heads."""
     intermediate_size: int | None = None
     """The drafter layer's MLP width (None: target.intermediate_size, the target's dense MLP)."""
+    num_layers: int = 1
+    """Decoder layers (vLLM's EAGLE-3 Llama drafter serves several: the first on [emb ;
+    hidden], the others plain layers on H), trained with the same TTT."""
     ttt_steps: int = 7
     num_speculative_tokens: int = 5
     """Chain length k used when evaluating in vLLM (and recommended for serving)."""
@@ -148,6 +151,8 @@ class DrafterConfig:
             raise ValueError(f"drafter.draft_vocab_size must be > 0, got {self.draft_vocab_size}")
         if self.ttt_steps < 1:
             raise ValueError(f"drafter.ttt_steps must be >= 1, got {self.ttt_steps}")
+        if self.num_layers < 1:
+            raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
         if self.head_dim is not None and (self.head_dim < 2 or self.head_dim % 2):
             raise ValueError(f"drafter.head_dim={self.head_dim} must be an even number >= 2 "
                              "(rotary embedding)")

@@ -37,9 +37,25 @@ _EXPORT_PARAMS = (
 )
 
 
-def export_param_names() -> tuple[str, ...]:
-    """Tensor names of an exported drafter (SpecForge/vLLM checkpoint naming)."""
-    return _EXPORT_PARAMS
+_LATER_LAYER_PARAMS = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+
+
+def export_param_names(num_layers: int = 1) -> tuple[str, ...]:
+    """Tensor names of an exported drafter (SpecForge/vLLM checkpoint naming); layers after
+    the first are `layers.N.*` (vLLM maps `midlayer.` to `layers.0.`; they have no
+    hidden_norm: vLLM builds one per layer but only layer 0 uses it)."""
+    later = tuple(f"layers.{i}.{n}" for i in range(1, num_layers) for n in _LATER_LAYER_PARAMS)
+    return _EXPORT_PARAMS[:-4] + later + _EXPORT_PARAMS[-4:]
 
 
 def state_dict_for_export(model: Eagle3Drafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -49,11 +65,12 @@ def state_dict_for_export(model: Eagle3Drafter, dtype: torch.dtype | None = None
     With a full draft vocabulary (N == V) d2t/t2d are left out: vLLM then builds no
     ``draft_id_to_target_id`` parameter and refuses a checkpoint that carries one."""
     sd = model.state_dict()
-    if set(sd) != set(_EXPORT_PARAMS):
-        raise RuntimeError(f"unexpected drafter state: {sorted(set(sd) ^ set(_EXPORT_PARAMS))}")
+    names = export_param_names(model.arch.num_layers)
+    if set(sd) != set(names):
+        raise RuntimeError(f"unexpected drafter state: {sorted(set(sd) ^ set(names))}")
     full_vocab = model.arch.draft_vocab_size == model.arch.target_vocab_size
     out = {}
-    for name in _EXPORT_PARAMS:
+    for name in names:
         if full_vocab and name in ("d2t", "t2d"):
             continue
         t = sd[name].detach().to("cpu")
@@ -107,7 +124,7 @@ def vllm_config(arch: DrafterArch, target_config: Mapping[str, Any], aux_layer_i
         "num_attention_heads": arch.num_attention_heads,
         "num_key_value_heads": arch.num_key_value_heads,
         "head_dim": arch.head_dim,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": arch.num_layers,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,

@@ -133,11 +133,14 @@ class DrafterArch:
     draft_vocab_size: int
     num_aux_layers: int = 3
     ttt_steps: int = 7
+    num_layers: int = 1
+    """Decoder layers: the first takes [emb ; hidden] (2H), the others are plain Llama layers
+    on H (vLLM llama_eagle3: `qkv_input_size = 2 * hidden if layer_idx == 0 else hidden`)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "intermediate_size", "max_position_embeddings", "target_vocab_size",
-                     "draft_vocab_size", "num_aux_layers", "ttt_steps"):
+                     "draft_vocab_size", "num_aux_layers", "ttt_steps", "num_layers"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"DrafterArch.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -152,13 +155,13 @@ def drafter_arch_from(hidden_size: int, num_heads: int, kv_heads: int, head_dim:
                       intermediate: int, target_vocab: int, draft_vocab: int, *,
                       rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0,
                       max_position_embeddings: int = 4096, num_aux_layers: int = 3,
-                      ttt_steps: int = 7) -> DrafterArch:
+                      ttt_steps: int = 7, num_layers: int = 1) -> DrafterArch:
     return DrafterArch(
         hidden_size=hidden_size, num_attention_heads=num_heads, num_key_value_heads=kv_heads,
         head_dim=head_dim, intermediate_size=intermediate, rms_norm_eps=rms_norm_eps,
         rope_theta=rope_theta, max_position_embeddings=max_position_embeddings,
         target_vocab_size=target_vocab, draft_vocab_size=min(draft_vocab, target_vocab),
-        num_aux_layers=num_aux_layers, ttt_steps=ttt_steps)
+        num_aux_layers=num_aux_layers, ttt_steps=ttt_steps, num_layers=num_layers)
 
 
 def _target_rope_theta(cfg: Mapping[str, Any]) -> float:
@@ -252,16 +255,18 @@ class Eagle3MLP(nn.Module):
 
 
 class Eagle3Attention(nn.Module):
-    """Llama attention whose q/k/v take the 2H ``[emb ; hidden]`` input, with a TTT K/V cache."""
+    """Llama attention whose q/k/v take the 2H ``[emb ; hidden]`` input (the first layer; H in
+    later layers), with a TTT K/V cache."""
 
-    def __init__(self, arch: DrafterArch) -> None:
+    def __init__(self, arch: DrafterArch, in_features: int | None = None) -> None:
         super().__init__()
         H, D = arch.hidden_size, arch.head_dim
+        IN = 2 * H if in_features is None else in_features
         self.num_heads, self.num_kv_heads, self.head_dim = (
             arch.num_attention_heads, arch.num_key_value_heads, D)
-        self.q_proj = nn.Linear(2 * H, self.num_heads * D, bias=False)
-        self.k_proj = nn.Linear(2 * H, self.num_kv_heads * D, bias=False)
-        self.v_proj = nn.Linear(2 * H, self.num_kv_heads * D, bias=False)
+        self.q_proj = nn.Linear(IN, self.num_heads * D, bias=False)
+        self.k_proj = nn.Linear(IN, self.num_kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(IN, self.num_kv_heads * D, bias=False)
         self.o_proj = nn.Linear(self.num_heads * D, H, bias=False)
         self.scaling = D ** -0.5
 
@@ -382,6 +387,25 @@ class Eagle3DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(residual)) + residual
 
 
+class Eagle3LaterLayer(nn.Module):
+    """vLLM ``llama_eagle3.LlamaDecoderLayer`` with layer_idx > 0: a plain pre-norm Llama layer
+    on H. vLLM carries (hidden, residual) apart and adds them in the next norm; the sum it
+    hands on is this layer's output, so `x + attn(...)`, then `+ mlp(...)`, as here."""
+
+    def __init__(self, arch: DrafterArch) -> None:
+        super().__init__()
+        H, eps = arch.hidden_size, arch.rms_norm_eps
+        self.input_layernorm = RMSNorm(H, eps)
+        self.self_attn = Eagle3Attention(arch, in_features=H)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.mlp = Eagle3MLP(arch)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
+                am: torch.Tensor, attn_impl: str = "chunked") -> torch.Tensor:
+        residual = self.self_attn(self.input_layernorm(x), cos, sin, cache, am, attn_impl) + x
+        return self.mlp(self.post_attention_layernorm(residual)) + residual
+
+
 # --------------------------------------------------------------------------- drafter
 
 
@@ -409,6 +433,9 @@ class Eagle3Drafter(nn.Module):
 
         self.fc = nn.Linear(arch.num_aux_layers * H, H, bias=False)
         self.midlayer = Eagle3DecoderLayer(arch)
+        # Named as vLLM names them ("midlayer." is its "layers.0."): layers.1, layers.2, ...
+        self.layers = nn.ModuleDict({str(i): Eagle3LaterLayer(arch)
+                                     for i in range(1, arch.num_layers)})
         self.norm = RMSNorm(H, arch.rms_norm_eps)
         self.lm_head = nn.Linear(H, N, bias=False)
 
@@ -544,11 +571,14 @@ class Eagle3Drafter(nn.Module):
 
         tids = self.draft_ids
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        later_caches: dict[str, list] = {name: [] for name in self.layers}  # one per layer
         out = TTTOutputs()
         for j in range(steps):
             embeds = self._shift(emb_all, 1 + j)                            # emb(x_{t+1+j})
             cos, sin = self.rope(idx + j)                                   # position t+j
             h_pre = self.midlayer(embeds, hidden, cos, sin, cache, am, impl)
+            for name, layer in self.layers.items():                         # same mask, own K/V
+                h_pre = layer(h_pre, cos, sin, later_caches[name], am, impl)
             logits = self.compute_logits(h_pre)                             # [B,T,N]
             valid = self._shift(target_ok, 2 + j, False)                    # x_{t+2+j} masked in
             teacher_p = torch.softmax(self._shift(t_logits, 1 + j), dim=-1)  # from f_{t+1+j}

@@ -154,8 +154,9 @@ def check_published(pub: PublishedDrafter, arch, manifest: dict[str, Any], init_
     """Refuse, naming every mismatch, a drafter that does not fit this target, these
     features and the recipe's drafter shape."""
     c, problems = pub.config, list(pub.unsupported)
-    if c["num_hidden_layers"] != 1:
-        problems.append(f"num_hidden_layers {c['num_hidden_layers']} (this drafter has 1 layer)")
+    if c["num_hidden_layers"] != arch.num_layers:
+        problems.append(f"num_hidden_layers {c['num_hidden_layers']} vs the recipe's drafter "
+                        f"{arch.num_layers} (--set drafter.num_layers={c['num_hidden_layers']})")
     if c["target_hidden_size"] != manifest["hidden_size"]:
         problems.append(f"target hidden size {c['target_hidden_size']} vs the target's "
                         f"{manifest['hidden_size']}")
@@ -211,7 +212,7 @@ def init_state(pub: PublishedDrafter, arch, d2t_new, seed: int) -> tuple[dict[st
     torch.manual_seed(seed)
     fresh = Eagle3Drafter(arch, d2t=d2t_new)  # the run's vocabulary, fresh weights
     state = {k: v.detach().clone() for k, v in fresh.state_dict().items()}
-    for name in export_param_names():
+    for name in export_param_names(arch.num_layers):
         if name in ("d2t", "t2d", "lm_head.weight"):
             continue
         w = pub.state[name]

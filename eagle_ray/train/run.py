@@ -40,7 +40,8 @@ def drafter_arch(recipe: Recipe, target_dir: Path):
     if d.num_key_value_heads:
         over["num_key_value_heads"] = d.num_key_value_heads
     over["intermediate_size"] = d.intermediate_size or recipe.target.intermediate_size
-    return drafter_arch_from_target_config(cfg, d.draft_vocab_size, ttt_steps=d.ttt_steps, **over)
+    return drafter_arch_from_target_config(cfg, d.draft_vocab_size, ttt_steps=d.ttt_steps,
+                                           num_layers=d.num_layers, **over)
 
 
 def prepare_run(recipe: Recipe, store_dir: str | Path, run_dir: str | Path) -> dict[str, Any]:

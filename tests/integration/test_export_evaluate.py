@@ -271,3 +271,26 @@ def test_another_targets_store_and_drafter_are_refused_naming_both(trained, tmp_
     # the deliberate case: an explicit override
     run_check(load_recipe("tiny_kimi_cpu", ["target.allow_other_target=true"]), d / "drafter",
               d / "store", runtime=False)
+
+
+def test_two_layer_drafter_is_served_by_vllm_as_trained(trained, tmp_path):
+    """drafter.num_layers=2 (vLLM 0.32 serves it: llama_eagle3's later layers take H): the
+    export loads in vLLM, speculation leaves greedy outputs unchanged, and vLLM accepts what
+    the offline simulation of the same drafter predicts (gap < 0.5, the stated tolerance)."""
+    from eagle_ray.evaluate.run import run_evaluate
+    from eagle_ray.export.drafter import export_drafter
+    from eagle_ray.train.run import run_train
+
+    d, _ = trained
+    r = load_recipe("tiny_cpu", BASE + ["drafter.num_layers=2", "train.max_steps=80",
+                                        "train.eval_interval=80", "train.ckpt_interval=80"])
+    run_train(r, d / "store", tmp_path / "run")
+    export_drafter(tmp_path / "run", tmp_path / "drafter")
+    cfg = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2
+    rep = run_evaluate(r, tmp_path / "drafter", d / "prompts", tmp_path / "eval", k=3, limit=16,
+                       seeds=0)
+    al = {k: rep[k]["mean_acceptance_length"] for k in ("offline", "online", "ngram")}
+    print("two-layer drafter, mean acceptance length:", {k: round(v, 3) for k, v in al.items()})
+    assert rep["outputs_identical"]
+    assert al["online"] > 2.0 and abs(al["offline"] - al["online"]) < 0.5

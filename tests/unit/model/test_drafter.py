@@ -503,3 +503,45 @@ def test_identity_vocab_and_validation():
         Eagle3Drafter(arch_n)  # d2t required when N != V
     with pytest.raises(ValueError):
         Eagle3Drafter(arch_n, d2t=torch.zeros(N, dtype=torch.long) - 1)
+
+
+def test_two_layer_drafter_trains_exports_and_names_layers_as_vllm():
+    """drafter.num_layers = 2: the second layer is a plain Llama layer on H named layers.1.*
+    (vLLM: midlayer. -> layers.0.), its TTT uses its own K/V cache under the same mask, and
+    the loss falls when overfitting."""
+    arch = drafter_arch_from(H, HEADS, KV_HEADS, HEAD_DIM, INTER, V, N, ttt_steps=3, num_layers=2)
+    g = torch.Generator().manual_seed(0)
+    d2t, t2d = build_draft_vocab(torch.randint(0, 100, (V,), generator=g), N)
+    torch.manual_seed(0)
+    model = Eagle3Drafter(arch, embed_weight=torch.randn(V, H, generator=g),
+                          target_lm_head_weight=0.3 * torch.randn(V, H, generator=g), d2t=d2t)
+    sd = state_dict_for_export(model)
+    assert tuple(sd) == export_param_names(2)
+    assert sd["layers.1.self_attn.q_proj.weight"].shape == (HEADS * HEAD_DIM, H)  # H, not 2H
+    assert sd["midlayer.self_attn.q_proj.weight"].shape == (HEADS * HEAD_DIM, 2 * H)
+    assert "layers.1.hidden_norm.weight" not in sd
+    assert vllm_config(arch, {"hidden_size": H, "vocab_size": V}, [2, 4, 5])["num_hidden_layers"] == 2
+    batch = make_batch()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(40):
+        loss, _ = model(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    with torch.no_grad():  # soft CE is bounded below by the teacher entropy (see above)
+        out = model.ttt_outputs(batch)
+        t_logits, _ = model.teacher(batch)
+        floor = 0.0
+        for j in range(3):
+            p = torch.softmax(model._shift(t_logits, 1 + j), -1)
+            ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
+            floor += 0.8 ** j * float((ent * out.valid[j]).sum() / out.valid[j].sum())
+    assert losses[-1] - floor < 0.2 * (losses[0] - floor), (losses, floor)
+    # the second layer changes the output (it is really in the path)
+    with torch.no_grad():
+        a = model.ttt_outputs(batch).logits[1]
+        for p_ in model.layers["1"].parameters():
+            p_.zero_()
+        assert not torch.allclose(a, model.ttt_outputs(batch).logits[1])
