@@ -138,7 +138,7 @@ def cmd_generate_extract(args) -> int:
         recipe = apply_overrides(recipe, {"extract.placement": args.placement})
     res = run_generate_extract(recipe, args.prompts, args.generated, args.out)
     c = res.generate_counts
-    print(f"generate+extract ({recipe.extract.placement}): {res.generated:,} conversations "
+    print(f"generate+extract ({recipe.extract.placement}): {res.generated:,} prompts "
           f"generated, {res.extracted:,} samples ({res.tokens:,} tokens) extracted this run; "
           f"{c.get('ok', 0):,} conversations, {c.get('rejected', 0):,} rejected -> "
           f"{args.generated}; store {args.out}; {res.seconds:.1f}s")
@@ -204,12 +204,10 @@ def cmd_evaluate(args) -> int:
           f"online {r['online']['mean_acceptance_length']:.3f}, untrained "
           f"{r['untrained']['mean_acceptance_length']:.3f}, n-gram {r['ngram']['mean_acceptance_length']:.3f}; "
           f"outputs identical: {r['outputs_identical']} -> {args.out}/report.md")
-    if r.get("as_served"):
-        s = r["as_served"]
-        print(f"evaluate: as served ({', '.join(f'{k} {v}' for k, v in s['sampling'].items())}): "
-              f"greedy drafting {s['draft_sample_method']['greedy']:.3f}, probabilistic "
-              f"{s['draft_sample_method']['probabilistic']:.3f}, n-gram "
-              f"{s['runs']['ngram']['mean_acceptance_length']:.3f} over {len(s['seeds'])} seed(s)")
+    from eagle_ray.evaluate.run import as_served_line
+
+    if as_served_line(r):
+        print(as_served_line(r))
     return 0 if r["outputs_identical"] else 1
 
 

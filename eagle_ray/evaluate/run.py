@@ -119,6 +119,18 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
     return report
 
 
+def as_served_line(report: dict[str, Any]) -> str | None:
+    """One line of the as-served figures of a report (None without them)."""
+    a = report.get("as_served")
+    if not a:
+        return None
+    return (f"evaluate as served ({', '.join(f'{k} {v}' for k, v in a['sampling'].items())}, "
+            f"{len(a['seeds'])} seed(s)): mean acceptance length "
+            f"{a['runs']['online']['mean_acceptance_length']:.2f} with greedy drafting, "
+            f"{a['runs']['online_probabilistic']['mean_acceptance_length']:.2f} with "
+            f"probabilistic, n-gram {a['runs']['ngram']['mean_acceptance_length']:.2f}")
+
+
 def _as_served(runs: dict[str, Any], profile: dict, sampled: dict) -> dict[str, Any]:
     """Per drafter at the serving profile: acceptance pooled over seeds, its spread over
     seeds, tokens/s and speedup over no speculation, and the drafting method that accepts

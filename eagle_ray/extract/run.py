@@ -56,7 +56,7 @@ def generation_provenance(gen_dir: Path) -> dict | None:
     if not path.exists():
         return None
     g = json.loads(path.read_text())
-    return {k: g.get(k) for k in ("mode", "sampling", "target", "vllm_version")}
+    return {k: g.get(k) for k in ("mode", "sampling", "serving_profile", "target", "vllm_version")}
 
 
 def make_manifest(recipe: Recipe, model_dir: Path, generation: dict | None = None) -> StoreManifest:

@@ -149,7 +149,7 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path, *,
     store_line = ("no store (online)" if online else
                   f"store verify: {check['samples']:,} samples in {check['shards']:,} shards, "
                   f"{'OK' if check['ok'] else 'PROBLEMS: ' + str((check['problems'] + check['orphans'])[:3])}")
-    print(f"generate+extract ({mode}): {n_gen:,} conversations generated, {n_ext:,} samples "
+    print(f"generate+extract ({mode}): {n_gen:,} prompts generated, {n_ext:,} samples "
           f"({n_tok:,} tokens) extracted this run ({before:,} already in the store); "
           f"{gen_counts.get('ok', 0):,} conversations, {gen_counts.get('rejected', 0):,} rejected "
           f"-> {out / 'generate'}; {store_line}")
@@ -206,6 +206,10 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path, *,
           f"online {ev['online']['mean_acceptance_length']:.2f}, untrained "
           f"{ev['untrained']['mean_acceptance_length']:.2f}, n-gram {ev['ngram']['mean_acceptance_length']:.2f}; "
           f"outputs identical {ev['outputs_identical']} -> {out / 'evaluate' / 'report.md'}")
+    from eagle_ray.evaluate.run import as_served_line
+
+    if as_served_line(ev):
+        print(as_served_line(ev))
 
     summary = {"status": "finished", "steps_run": ran,
                "recipe": recipe.to_dict(), "target_dir": str(target_dir),
@@ -217,8 +221,8 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path, *,
                "extract": {"extracted": n_ext, "tokens": n_tok,
                            "samples": check["samples"]},
                "store_verify": check, "train": train, "check": chk_details,
-               "evaluate": {k: ev[k] for k in ("offline", "online", "untrained", "ngram",
-                                               "outputs_identical")},
+               "evaluate": {k: ev.get(k) for k in ("offline", "online", "untrained", "ngram",
+                                                   "outputs_identical", "as_served")},
                "timings_s": timings}
     atomic_write_json(out / SUMMARY_FILE, json.loads(json.dumps(summary, default=str)))
     print("\n" + (out / "evaluate" / "report.md").read_text())

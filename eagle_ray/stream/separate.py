@@ -66,6 +66,7 @@ def run_generate_extract(recipe: Recipe, prompts: str | Path, gen_dir: str | Pat
     params = generation_params(recipe, model_dir)
     # What `eagle-ray extract` records from generate/manifest.json, so the stores are equal.
     generation = {"mode": params["mode"], "sampling": params["sampling"],
+                  "serving_profile": params["serving_profile"],
                   "target": params["target"], "vllm_version": vllm.__version__}
     manifest = make_manifest(recipe, model_dir, generation)
     claim_output_dir(gen, "generate")

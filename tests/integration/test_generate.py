@@ -109,20 +109,27 @@ def test_sampled_outputs_equal_direct_vllm_at_the_same_per_sample_seeds(
     assert not mismatched
 
 
-def test_resume_after_kill_gives_same_output(full_run, prompts_dir, ray_cluster, tmp_path):
-    _, ref_out = full_run
-    out = tmp_path / "killed"
+def _killed_mid_run(prompts_dir, out, overrides, ray_cluster, parts: int):
+    """`eagle-ray generate` into out, SIGKILLed (its whole process group) once `parts` parts
+    are written. Returns (the command, its env) for the re-run."""
     cmd = [sys.executable, "-m", "eagle_ray.cli", "generate", "--prompts", str(prompts_dir),
-           "--out", str(out)] + [a for o in OVERRIDES for a in ("--set", o)]
+           "--out", str(out)] + [a for o in overrides for a in ("--set", o)]
     env = {**os.environ, "RAY_ADDRESS": ray_cluster}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
     deadline = time.time() + 300
-    while time.time() < deadline and len(list((out / "parts").glob("part-*.parquet"))) < 3:
+    while time.time() < deadline and len(list((out / "parts").glob("part-*.parquet"))) < parts:
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)  # the driver and anything it forked, mid-run
     proc.wait()
+    return cmd, env
+
+
+def test_resume_after_kill_gives_same_output(full_run, prompts_dir, ray_cluster, tmp_path):
+    _, ref_out = full_run
+    out = tmp_path / "killed"
+    cmd, env = _killed_mid_run(prompts_dir, out, OVERRIDES, ray_cluster, parts=3)
     parts_before = len(list((out / "parts").glob("part-*.parquet")))
     assert 3 <= parts_before < N_PROMPTS // 8 + 1, "kill should land mid-run"
     assert not (out / "conversations.parquet").exists()
@@ -151,17 +158,7 @@ def test_samples_per_prompt_killed_and_resumed_exactly(prompts_dir, ray_cluster,
     ref = tmp_path / "ref"
     run_generate(load_recipe("tiny_cpu", spp), prompts_dir, ref)
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "eagle_ray.cli", "generate", "--prompts", str(prompts_dir),
-           "--out", str(out)] + [a for o in spp for a in ("--set", o)]
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and len(list((out / "parts").glob("part-*.parquet"))) < 2:
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    cmd, env = _killed_mid_run(prompts_dir, out, spp, ray_cluster, parts=2)
     assert not (out / "conversations.parquet").exists(), "kill should land mid-run"
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 N = 40
 SETS = ["generate.mode=keep_logged", "generate.max_tokens=24", "data.max_seq_len=96",
         "storage.dtype=fp32", "extract.batch_size=1", "train.max_steps=4", "train.num_workers=1",
-        "train.ckpt_interval=2", "train.eval_interval=2", "train.log_interval=2"]
+        "train.ckpt_interval=2", "train.eval_interval=2", "train.log_interval=2", "evaluate.seeds=1"]
 ENV = {"RAY_AUTH_MODE": "disabled", "RAY_DATA_EXECUTION_NO_PROGRESS_TIMEOUT_S": "300",
        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
        # Processes push their metrics to the node's agent every second (default 10 s), so the

@@ -26,3 +26,39 @@ def test_whole_pipeline_on_the_kimi_twin(finished_run):
     print("kimi twin mean acceptance length:", {k: round(v, 3) for k, v in al.items()})
     assert ev["outputs_identical"]
     assert al["online"] > al["ngram"] + 1.0 and al["online"] > al["untrained"] + 1.0
+
+
+def test_fine_tune_job_from_the_runs_own_export(finished_run, tmp_path):
+    """The job's fine-tune path (jobs/end_to_end.py --init-from, train.init_from) on the Kimi
+    twin: a new job starts from the finished run's exported drafter, on the same data (its
+    ingest, conversations and store reused, so only train -> export -> check -> evaluate run),
+    and its first held-out evaluation is the drafter it started from; the regenerated data
+    was sampled at the recipe's serving profile (Kimi-K2.5 thinking mode)."""
+    import json
+    import shutil
+
+    from eagle_ray.job.pipeline import SAMPLE_DATA, run_end_to_end
+    from eagle_ray.recipes import load_recipe
+
+    run, _ = finished_run
+    out = tmp_path / "finetune"
+    for step in ("ingest", "generate", "store"):
+        shutil.copytree(run / step, out / step)
+    r = load_recipe("tiny_kimi_cpu", ["train.max_steps=20", "train.eval_interval=20",
+                                      "train.ckpt_interval=20", "train.cpus_per_worker=1",
+                                      f"train.init_from={run / 'drafter'}", "evaluate.seeds=1",
+                                      "evaluate.prompts=24"])
+    s = run_end_to_end(r, SAMPLE_DATA, out)
+    assert s["status"] == "finished"
+    info = json.loads((out / "train" / "run.json").read_text())
+    assert info["init_from"]["dir"] == str((run / "drafter").resolve())
+    first = [json.loads(l) for l in (out / "train" / "metrics.jsonl").read_text().splitlines()
+             if '"val/acc_step0"' in l][0]
+    last_a = [json.loads(l) for l in (run / "train" / "metrics.jsonl").read_text().splitlines()
+              if '"val/acc_step0"' in l][-1]
+    assert first["step"] == 0 and first["val/acc_step0"] == pytest.approx(last_a["val/acc_step0"], abs=1e-3)
+    gen = json.loads((out / "generate" / "manifest.json").read_text())
+    assert (gen["sampling"]["temperature"], gen["sampling"]["top_p"]) == (1.0, 0.95)
+    served = s["evaluate"]["as_served"]
+    assert served["runs"]["online"]["mean_acceptance_length"] > served["runs"]["ngram"]["mean_acceptance_length"]
+    assert json.loads((out / "drafter" / "serving.json").read_text())["request_sampling"]["top_p"] == 0.95

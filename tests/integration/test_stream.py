@@ -106,8 +106,8 @@ def test_cli_generate_extract(tmp_path, staged, capsys):
             "--out", str(tmp_path / "store"), "--placement", "colocated"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert f"(colocated): {N} conversations generated, {N} samples" in out
+    assert f"(colocated): {N} prompts generated, {N} samples" in out
     assert sorted(read_index(tmp_path / "store").column("sample_id").to_pylist()) == \
         sorted(read_index(staged / "store").column("sample_id").to_pylist())
     assert main(args) == 0
-    assert "0 conversations generated, 0 samples" in capsys.readouterr().out
+    assert "0 prompts generated, 0 samples" in capsys.readouterr().out
