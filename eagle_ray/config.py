@@ -188,6 +188,9 @@ class EngineConfig:
     custom_ops: tuple[str, ...] = ()
     """vLLM `compilation_config.custom_ops` (e.g. ("all", "-rotary_embedding") to run a
     layer's torch implementation instead of the platform kernel); () = vLLM's default."""
+    max_num_batched_tokens: int | None = None
+    """vLLM's token budget per engine step (None: vLLM's default; with chunked prefill off, at
+    least max_model_len)."""
     enable_chunked_prefill: bool | None = None
     """None: vLLM's default. The CPU recipes turn it off: vLLM rewinds a sampled request's
     generator when its prefill is split across steps, and CPU torch generators cannot rewind

@@ -55,10 +55,13 @@ def engine_kwargs(recipe: Recipe, model_path: str) -> dict[str, Any]:
         kw["attention_backend"] = e.attention_backend
     if e.custom_ops:
         kw["compilation_config"] = {"custom_ops": list(e.custom_ops)}
+    if e.max_num_batched_tokens is not None:
+        kw["max_num_batched_tokens"] = e.max_num_batched_tokens
     if e.enable_chunked_prefill is not None:
         kw["enable_chunked_prefill"] = e.enable_chunked_prefill
         if not e.enable_chunked_prefill:  # every prompt must fit one step's token budget
-            kw["max_num_batched_tokens"] = max(e.max_model_len or 8192, 2048)
+            kw["max_num_batched_tokens"] = max(e.max_model_len or 8192, 2048,
+                                               e.max_num_batched_tokens or 0)
     return kw
 
 

