@@ -15,8 +15,13 @@ from eagle_ray.targets.tiny import corpus
 pytestmark = pytest.mark.integration
 
 N = 16
+# Greedy regeneration: these tests compare the streamed pipeline with the staged commands
+# token for token, across different engines (the colocated capture engine, prefix caching)
+# and batch compositions. Sampled tokens are reproducible per sample within one engine set-up
+# (test_generate.py), but across these their float rounding differs enough to flip a draw
+# now and then (measured: 2 of 384 tokens at 1.0 / 0.95); argmax does not flip.
 SETS = ["generate.max_tokens=24", "storage.dtype=fp32", "data.max_seq_len=96",
-        "extract.batch_size=4", "generate.batch_size=4"]
+        "extract.batch_size=4", "generate.batch_size=4", "generate.temperature=0"]
 
 
 @pytest.fixture(scope="module")
