@@ -204,4 +204,8 @@ def test_an_engine_death_ends_the_run_in_one_line_naming_its_cause(prompts_dir, 
     last = [l for l in p.stderr.splitlines() if l.startswith("eagle-ray generate: error:")]
     assert last, p.stderr[-3000:]
     assert "the vLLM engine of a generation replica died: RuntimeError: CPU Generator does not use offset" in last[-1]
-    assert "Traceback" not in p.stderr.split("eagle-ray generate: error:")[-1]
+    # The driver's own lines carry no traceback; lines Ray forwards from the replica (vLLM's
+    # engine core logs its exception there, "(MapWorker(...) pid=N)" prefix) may arrive after
+    # the error line and are left to the replica's log (quieting them is the logs issue's).
+    own = [l for l in p.stderr.splitlines() if not re.match(r"^(\x1b\[[0-9;]*m)?\(", l)]
+    assert not [l for l in own if "Traceback" in l], own[-40:]
