@@ -24,6 +24,12 @@ def prompt_id(sample_id: str) -> str:
     return sample_id.split(SEP, 1)[0]
 
 
+def completion_index(sample_id: str) -> int:
+    """j of `<prompt>#<j>`; 0 for a prompt's only completion."""
+    _, sep, j = sample_id.partition(SEP)
+    return int(j) if sep else 0
+
+
 def sample_seed(seed: int, sample_id: str) -> int:
     """The per-sample sampling seed: the same completion whatever batch or replica draws it."""
     h = hashlib.blake2b(f"{seed}:{sample_id}".encode(), digest_size=8).digest()

@@ -109,11 +109,8 @@ def serving_recommendation(info: dict[str, Any], drafter_dir: Path) -> dict[str,
     """serving.json: how to serve this drafter the way it was trained to be served: the
     speculative_config for vLLM, the sampling requests should use (the serving profile), the
     sampling its training data was regenerated at, and a `vllm serve` command line."""
-    from eagle_ray.config import ServeConfig
-
     recipe = info["recipe"]
-    serve = {**{f.name: None for f in __import__("dataclasses").fields(ServeConfig)},
-             **(recipe.get("serve") or {})}
+    serve = recipe.get("serve") or {}  # runs from before the serving profile have none
     gen = (info.get("store_manifest") or {}).get("generation") or {}
     profile = (gen.get("serving_profile") or
                {k: serve.get(k) for k in ("temperature", "top_p", "top_k", "min_p")})

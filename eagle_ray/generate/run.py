@@ -61,6 +61,7 @@ def _read_prompts(prompts: str | Path) -> pa.Table:
 def generation_params(recipe: Recipe, model_dir: Path) -> dict:
     """What decides the outputs; a resumed run must match it exactly."""
     g = recipe.generate
+    profile = serving_profile(recipe, model_dir)
     return {
         "mode": g.mode,
         "target": {"path": recipe.target.path, "resolved_path": str(model_dir),
@@ -68,9 +69,9 @@ def generation_params(recipe: Recipe, model_dir: Path) -> dict:
                    "fingerprint": target_fingerprint(model_dir)},
         # The sampling generation draws at (generate.* else the serving profile) and the
         # serving profile itself: a drafter is traced to both.
-        "sampling": ({**generation_sampling(recipe, model_dir), "max_tokens": g.max_tokens}
+        "sampling": ({**generation_sampling(recipe, model_dir, profile), "max_tokens": g.max_tokens}
                      if g.mode == "regenerate" else None),
-        "serving_profile": serving_profile(recipe, model_dir),
+        "serving_profile": profile,
         "engine": {"dtype": recipe.engine.dtype, "max_model_len": recipe.engine.max_model_len,
                    "tensor_parallel_size": recipe.target.tensor_parallel_size},
         "max_seq_len": recipe.data.max_seq_len,
@@ -182,7 +183,7 @@ def run_generate(recipe: Recipe, prompts: str | Path, out_dir: str | Path, *,
 def consolidate(out: Path, prompts: pa.Table, params: dict) -> dict[str, int]:
     """Parts -> conversations.parquet (prompt order, then completion index), rejects.jsonl,
     manifest.json; atomic."""
-    from eagle_ray.data.ids import SEP, prompt_id
+    from eagle_ray.data.ids import completion_index, prompt_id
 
     parts = sorted((out / PARTS_DIR).glob("part-*.parquet"))
     all_rows = (pa.concat_tables([pq.read_table(f, schema=CONVERSATIONS_SCHEMA) for f in parts])
@@ -197,8 +198,7 @@ def consolidate(out: Path, prompts: pa.Table, params: dict) -> dict[str, int]:
                          f"(e.g. {extra[0]}); it belongs to another prompt set")
     n = params["sampling"]["samples_per_prompt"] if params.get("sampling") else 1
     # prompt order, then completion index (ids "<prompt>#<j>")
-    rank = pa.array([order[prompt_id(sid)] * n + (int(sid.rpartition(SEP)[2]) if SEP in sid else 0)
-                     for sid in ids], pa.int64())
+    rank = pa.array([order[prompt_id(sid)] * n + completion_index(sid) for sid in ids], pa.int64())
     all_rows = all_rows.append_column("_rank", rank).sort_by("_rank").drop(["_rank"])
     is_ok = pc.equal(all_rows.column("status"), "ok")
     ok = all_rows.filter(is_ok)

@@ -62,11 +62,13 @@ def serving_profile(recipe: Recipe, model_dir: str | Path | None) -> dict[str, A
     return out
 
 
-def generation_sampling(recipe: Recipe, model_dir: str | Path | None) -> dict[str, Any]:
-    """The sampling generation uses: generate.<field> where set, else the serving profile's;
-    plus the seed and samples_per_prompt. Refuses several greedy samples per prompt."""
+def generation_sampling(recipe: Recipe, model_dir: str | Path | None,
+                        profile: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The sampling generation uses: generate.<field> where set, else the serving profile's
+    (`profile`, when the caller has it already); plus the seed and samples_per_prompt.
+    Refuses several greedy samples per prompt."""
     g = recipe.generate
-    profile = serving_profile(recipe, model_dir)
+    profile = profile or serving_profile(recipe, model_dir)
     out = {f: (_typed(f, getattr(g, f)) if getattr(g, f) is not None else profile[f])
            for f in FIELDS}
     if out["temperature"] == 0:  # greedy: the other fields do nothing; record them neutral

@@ -220,8 +220,9 @@ def init_state(pub: PublishedDrafter, arch, d2t_new, seed: int) -> tuple[dict[st
             raise ValueError(f"train.init_from={pub.path}: tensor {name} is {tuple(w.shape)}, "
                              f"this drafter's is {tuple(state[name].shape)}")
         state[name] = w.to(state[name].dtype).clone()
-    old_ids = draft_target_ids(published_d2t(pub))       # [N_old] target id of each old row
-    old_slot = target_to_draft_map(published_d2t(pub), arch.target_vocab_size)  # [V]
+    old_d2t = published_d2t(pub)
+    old_ids = draft_target_ids(old_d2t)                   # [N_old] target id of each old row
+    old_slot = target_to_draft_map(old_d2t, arch.target_vocab_size)  # [V]
     new_ids = draft_target_ids(torch.as_tensor(d2t_new, dtype=torch.int64))  # [N_new]
     src = old_slot[new_ids]                               # old row of each new slot, or -1
     lm_old = pub.state["lm_head.weight"]

@@ -134,7 +134,7 @@ def _init_fields(recipe: Recipe, run: Path, pub, arch, vocab: dict[str, Any]) ->
     import hashlib
 
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     from eagle_ray.train.init import init_state, published_d2t
 
@@ -142,10 +142,9 @@ def _init_fields(recipe: Recipe, run: Path, pub, arch, vocab: dict[str, Any]) ->
         vocab = {**vocab, "d2t": published_d2t(pub).tolist()}
     state, rows = init_state(pub, arch, torch.tensor(vocab["d2t"]), recipe.train.seed)
     (run / "init").mkdir(parents=True, exist_ok=True)
-    tmp = run / "init" / ".model.safetensors.tmp"
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
-    tmp.replace(run / "init" / "model.safetensors")
-    digest = hashlib.sha256((run / "init" / "model.safetensors").read_bytes()).hexdigest()
+    data = save({k: v.contiguous() for k, v in state.items()})
+    atomic_write_bytes(run / "init" / "model.safetensors", data)
+    digest = hashlib.sha256(data).hexdigest()
     logger.info("train: starting from %s (%s layout), draft vocabulary %s: %d lm_head rows "
                 "carried, %d fresh", pub.path, pub.layout, recipe.train.init_vocab,
                 rows["carried_rows"], rows["fresh_rows"])
