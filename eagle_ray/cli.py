@@ -284,8 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_recipes)
 
     p = sub.add_parser("ingest", help="validate, split, dedupe and mix conversation logs")
-    p.add_argument("--input", action="append", required=True, metavar="PATH[:COUNT_OR_FRACTION]",
-                   help="JSONL source; repeat to mix (data.jsonl:1000 = 1000 samples, :0.5 = half)")
+    p.add_argument("--input", action="append", required=True, metavar="PATH[:COUNT_OR_FRACTION][::LABEL]",
+                   help="JSONL source; repeat to mix (data.jsonl:1000 = 1000 samples, :0.5 = half; "
+                        "::personal labels it, else its file stem names it in every report)")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-lengths", action="store_true",

@@ -79,7 +79,7 @@ ingest([SourceSpec.parse(s) for s in DATA], ingest_dir, seed=recipe.data.seed,
 report = json.loads((ingest_dir / "report.json").read_text())
 COUNTS = ["lines_read", "accepted", "duplicates", "rejected", "sampled_out"]
 display(pl.DataFrame([{"source": "ALL", **{k: report[k] for k in COUNTS}}]
-                     + [{"source": Path(p).name, **{k: v[k] for k in COUNTS}}
+                     + [{"source": p, **{k: v[k] for k in COUNTS}}
                         for p, v in report["per_source"].items()]))
 print(f"accepted {report['accepted']:,} + duplicates {report['duplicates']:,} + rejected "
       f"{report['rejected']:,} + sampled out {report['sampled_out']:,} = lines read "
@@ -87,7 +87,7 @@ print(f"accepted {report['accepted']:,} + duplicates {report['duplicates']:,} + 
 print("reject reasons:", report["reject_reasons"])
 for line in (ingest_dir / "rejects.jsonl").read_text().splitlines()[:5]:
     r = json.loads(line)
-    print(f"  rejected {Path(r['source']).name} line {r['line']}: {r['reason']}")
+    print(f"  rejected {r['source']} line {r['line']}: {r['reason']}")
 
 # %% [markdown]
 # ## Token statistics per source
@@ -103,7 +103,7 @@ from eagle_ray.data.stats import compute_stats, token_lengths
 
 stats = compute_stats(ingest_dir)
 display(pl.DataFrame([{"source": "ALL", **stats["overall"]}]
-                     + [{"source": Path(s).name, **v} for s, v in stats["per_source"].items()]))
+                     + [{"source": s, **v} for s, v in stats["per_source"].items()]))
 
 # %%
 table = pl.read_parquet(ingest_dir / "prompts.parquet", columns=["source", "num_tokens", "num_loss_tokens"])
@@ -113,7 +113,7 @@ for ax, col, title in ((axes[0], "num_tokens", "tokens per sample (prompt + answ
     bins = np.histogram_bin_edges(table[col].to_numpy(), bins=40)
     for part in table.partition_by("source", maintain_order=True):
         ax.hist(part[col].to_numpy(), bins=bins, alpha=0.6,
-                label=f"{Path(part['source'][0]).name} ({part.height:,})")
+                label=f"{part['source'][0]} ({part.height:,})")
     ax.set_title(title)
     ax.set_xlabel("tokens")
     ax.set_ylabel("samples")

@@ -88,7 +88,7 @@ class IngestResult:
     sampled_out: int
     per_source: dict[str, dict[str, int]]
     reject_reasons: dict[str, int]
-    # source path -> how many samples a count asked for but the source did not have.
+    # source label -> how many samples a count asked for but the source did not have.
     shortfall: dict[str, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -170,8 +170,8 @@ class _Ingestor:
         self.progress = progress
         self.warnings: list[str] = []
         self.reject_reasons: dict[str, int] = {}
-        self.per_source = {s.path: dict.fromkeys(COUNTERS, 0) for s in sources}
-        self.formats = {s.path: {"openai": 0, "sharegpt": 0, "plain": 0} for s in sources}
+        self.per_source = {s.name: dict.fromkeys(COUNTERS, 0) for s in sources}
+        self.formats = {s.name: {"openai": 0, "sharegpt": 0, "plain": 0} for s in sources}
         self.file_info: list[dict[str, Any]] = []
         # Accepted (deduplicated) samples, as parallel lists; the Arrow table is built once at the end.
         self.a_src: list[int] = []
@@ -194,13 +194,13 @@ class _Ingestor:
         if self.progress is not None:
             self.progress(("warning: " if warn else "") + msg)
 
-    def _reject(self, rejects: _AtomicFile, path: str, counts: dict, lineno: int, offset: int,
+    def _reject(self, rejects: _AtomicFile, source: str, counts: dict, lineno: int, offset: int,
                 code: str, message: str, raw: bytes, raw_len: int) -> None:
         counts["rejected"] += 1
         self.reject_reasons[code] = self.reject_reasons.get(code, 0) + 1
         rejects.write_row(
             {
-                "source": path,
+                "source": source,
                 "line": lineno,
                 "byte_offset": offset,
                 "reason": code,
@@ -213,9 +213,9 @@ class _Ingestor:
 
     def read_source(self, si: int, size: int, rejects: _AtomicFile, dups: _AtomicFile) -> None:
         spec = self.sources[si]
-        path = spec.path
-        counts = self.per_source[path]
-        fmts = self.formats[path]
+        path, name = spec.path, spec.name  # the user's path (messages), its label (rows)
+        counts = self.per_source[name]
+        fmts = self.formats[name]
         limit = self.max_line_bytes + 1
         hasher = hashlib.sha256()
         update = hasher.update
@@ -257,7 +257,7 @@ class _Ingestor:
                         chunk += nl
                     else:
                         offset = self._skip_long_line(
-                            f, chunk, update, offset, rejects, path, counts, lineno, line_start
+                            f, chunk, update, offset, rejects, name, counts, lineno, line_start
                         )
                         del chunk  # drop the ~max_line_bytes buffer before the next read
                         continue
@@ -267,14 +267,14 @@ class _Ingestor:
                 # sliced (copied) on the hot path; only rejects strip it.
                 if chunk.isspace() or not chunk:
                     raw = chunk.rstrip(b"\n").rstrip(b"\r")
-                    self._reject(rejects, path, counts, lineno, line_start, "blank_line",
+                    self._reject(rejects, name, counts, lineno, line_start, "blank_line",
                                  "line is empty or whitespace only", raw, len(raw))
                     continue
                 try:
                     text = chunk.decode("utf-8")
                 except UnicodeDecodeError as e:
                     raw = _strip_eol(chunk)
-                    self._reject(rejects, path, counts, lineno, line_start, "invalid_utf8",
+                    self._reject(rejects, name, counts, lineno, line_start, "invalid_utf8",
                                  f"invalid UTF-8 at byte {e.start} of the line ({e.reason})",
                                  raw, len(raw))
                     continue
@@ -283,7 +283,7 @@ class _Ingestor:
                 except (ValueError, RecursionError) as e:
                     raw = _strip_eol(chunk)
                     msg = _json_error(text, e)
-                    self._reject(rejects, path, counts, lineno, line_start, "invalid_json",
+                    self._reject(rejects, name, counts, lineno, line_start, "invalid_json",
                                  f"invalid JSON: {msg}", raw, len(raw))
                     continue
                 try:
@@ -295,14 +295,14 @@ class _Ingestor:
                     h = sha256(canon.encode("utf-8")).hexdigest()
                 except _Reject as e:
                     raw = _strip_eol(chunk)
-                    self._reject(rejects, path, counts, lineno, line_start, e.code, e.message,
+                    self._reject(rejects, name, counts, lineno, line_start, e.code, e.message,
                                  raw, len(raw))
                     continue
                 except UnicodeEncodeError:
                     # A "\ud800"-style escape decodes to a lone surrogate, which is not valid
                     # text and cannot be written to Parquet.
                     raw = _strip_eol(chunk)
-                    self._reject(rejects, path, counts, lineno, line_start, "invalid_unicode",
+                    self._reject(rejects, name, counts, lineno, line_start, "invalid_unicode",
                                  "a string contains a lone UTF-16 surrogate (\\ud800-\\udfff escape)",
                                  raw, len(raw))
                     continue
@@ -312,10 +312,10 @@ class _Ingestor:
                     counts["duplicates"] += 1
                     dups.write_row(
                         {
-                            "source": path,
+                            "source": name,
                             "line": lineno,
                             "sample_id": "s" + h[:20],
-                            "kept_source": self.sources[a_src[kept]].path,
+                            "kept_source": self.sources[a_src[kept]].name,
                             "kept_line": a_line[kept],
                         }
                     )
@@ -342,7 +342,7 @@ class _Ingestor:
             f"{counts['rejected']} rejected"
         )
 
-    def _skip_long_line(self, f, chunk, update, offset, rejects, path, counts, lineno, line_start):
+    def _skip_long_line(self, f, chunk, update, offset, rejects, name, counts, lineno, line_start):
         """Consume the rest of an over-long line in bounded chunks and record one reject."""
         head = chunk[:RAW_MAX_BYTES]
         total = len(chunk)
@@ -361,7 +361,7 @@ class _Ingestor:
                 ended = True
                 break
         raw_len = total - (2 if ended and tail == b"\r\n" else 1 if ended else 0)
-        self._reject(rejects, path, counts, lineno, line_start, "line_too_long",
+        self._reject(rejects, name, counts, lineno, line_start, "line_too_long",
                      f"line is {raw_len:,} bytes, over the max_line_bytes limit of "
                      f"{self.max_line_bytes:,}", head, raw_len)
         return offset
@@ -375,7 +375,7 @@ class _Ingestor:
             lo, hi = self.ranges[si]
             n = hi - lo
             if spec.count is not None and spec.count > n:
-                shortfall[spec.path] = spec.count - n
+                shortfall[spec.name] = spec.count - n
                 self._say(
                     f"source {spec.path}: asked for {spec.count} samples but only {n} were "
                     f"accepted after dedupe; taking all {n} (short by {spec.count - n})",
@@ -389,19 +389,19 @@ class _Ingestor:
                     if j not in chosen_set:
                         i = lo + j
                         sampled.write_row(
-                            {"source": spec.path, "line": self.a_line[i], "sample_id": "s" + self.a_hash[i][:20]}
+                            {"source": spec.name, "line": self.a_line[i], "sample_id": "s" + self.a_hash[i][:20]}
                         )
-                self.per_source[spec.path]["sampled_out"] = n - k
+                self.per_source[spec.name]["sampled_out"] = n - k
             else:
                 keep.extend(range(lo, hi))
-            self.per_source[spec.path]["accepted"] = k
-            info.append({"available": n, "selected": k, "shortfall": shortfall.get(spec.path, 0),
+            self.per_source[spec.name]["accepted"] = k
+            info.append({"available": n, "selected": k, "shortfall": shortfall.get(spec.name, 0),
                          "derived_seed": derived})
         _shuffle_mix(keep, self.seed)
         return keep, shortfall, info
 
     def build_table(self, keep: list[int]) -> pa.Table:
-        paths = [s.path for s in self.sources]
+        paths = [s.name for s in self.sources]  # the source column holds labels
         a_src, a_line, a_msgs, a_ref, a_turns, a_hash = (
             self.a_src, self.a_line, self.a_msgs, self.a_ref, self.a_turns, self.a_hash
         )
@@ -500,12 +500,13 @@ def ingest(
             "max_line_bytes": max_line_bytes,
             "sources": [
                 {
+                    "label": s.name,
                     "path": s.path,
                     "count": s.count,
                     "fraction": s.fraction,
                     **ing.file_info[i],
                     **sel_info[i],
-                    "formats": ing.formats[s.path],
+                    "formats": ing.formats[s.name],
                 }
                 for i, s in enumerate(sources)
             ],

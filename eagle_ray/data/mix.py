@@ -1,7 +1,8 @@
 """Source specs and mixing: which input files, and how much of each goes into the mix.
 
-A source is ``PATH`` (all samples), ``PATH:COUNT`` or ``PATH:FRACTION`` (see
-``SourceSpec.parse``). Counts and fractions apply to a source's samples accepted after
+A source is ``PATH`` (all samples), ``PATH:COUNT`` or ``PATH:FRACTION``, each optionally
+followed by ``::LABEL`` (see ``SourceSpec.parse``). Its label (the file's stem unless given)
+names it everywhere downstream: the prompts' ``source`` column, stats, store, reports. Counts and fractions apply to a source's samples accepted after
 dedupe. Each source is subsampled with its own seed derived from (seed, path), so adding
 or removing a source leaves the selection from the others unchanged; the kept samples of
 all sources are then shuffled together with a seed derived from the run's seed.
@@ -16,6 +17,7 @@ import random
 import re
 import stat
 from dataclasses import dataclass
+from pathlib import Path
 
 from eagle_ray.data.formats import _tname
 
@@ -23,6 +25,7 @@ _SPEC_HELP = (
     "use PATH (all samples), PATH:COUNT with an integer COUNT >= 1 (e.g. data.jsonl:1000) "
     "or PATH:FRACTION with 0 < FRACTION <= 1 (e.g. data.jsonl:0.25)"
 )
+_LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _INT_RE = re.compile(r"[+-]?\d+")
 # Deliberately narrower than float(): "inf"/"nan" suffixes stay part of the path.
 _FLOAT_RE = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+)(?:[eE][+-]?\d+)?|[+-]?\d+[eE][+-]?\d+")
@@ -38,10 +41,22 @@ class SourceSpec:
     path: str
     count: int | None = None
     fraction: float | None = None
+    label: str | None = None  # None: the file's stem
+
+    @property
+    def name(self) -> str:
+        """The short, stable name of this source: its label, else the file's stem."""
+        return self.label or Path(self.path).stem
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"source path must be a non-empty string, got {self.path!r}")
+        if self.label is not None and not (isinstance(self.label, str) and _LABEL_RE.fullmatch(self.label)):
+            raise ValueError(f"source {self.path!r}: label {self.label!r} must be 1-64 characters of "
+                             "letters, digits, '_', '.' or '-', starting with a letter or digit")
+        if not self.label and not Path(self.path).stem:
+            raise ValueError(f"source {self.path!r} has no file stem to label it by; give a "
+                             "label: PATH::LABEL")
         if self.count is not None and self.fraction is not None:
             raise ValueError(f"source {self.path!r}: give count or fraction, not both")
         if self.count is not None:
@@ -66,13 +81,27 @@ class SourceSpec:
 
     @classmethod
     def parse(cls, text: str) -> "SourceSpec":
-        """Parse ``PATH``, ``PATH:COUNT`` or ``PATH:FRACTION``.
+        """Parse ``PATH``, ``PATH:COUNT`` or ``PATH:FRACTION``, each optionally ending in
+        ``::LABEL`` (e.g. ``mine.jsonl:1000::personal``).
 
         Only a numeric suffix is a spec, so paths containing ':' still work.
         ``PATH:1`` is a count of one; write ``PATH:1.0`` for "all as a fraction".
         """
         if not isinstance(text, str) or not text:
             raise ValueError(f"empty source spec; {_SPEC_HELP}")
+        label = None
+        body, sep2, tail2 = text.rpartition("::")
+        if sep2 and body:
+            if not _LABEL_RE.fullmatch(tail2):
+                raise ValueError(f"source spec {text!r}: label {tail2!r} must be 1-64 characters of "
+                                 "letters, digits, '_', '.' or '-', starting with a letter or digit")
+            text, label = body, tail2
+        spec = cls._parse_amount(text)
+        return spec if label is None else cls(path=spec.path, count=spec.count,
+                                              fraction=spec.fraction, label=label)
+
+    @classmethod
+    def _parse_amount(cls, text: str) -> "SourceSpec":
         head, sep, tail = text.rpartition(":")
         if sep and (_INT_RE.fullmatch(tail) or _FLOAT_RE.fullmatch(tail)):
             if not head:
@@ -95,11 +124,12 @@ class SourceSpec:
         return cls(path=text)
 
     def describe(self) -> str:
+        lab = f"::{self.label}" if self.label else ""
         if self.count is not None:
-            return f"{self.path}:{self.count}"
+            return f"{self.path}:{self.count}{lab}"
         if self.fraction is not None:
-            return f"{self.path}:{self.fraction:g}"
-        return self.path
+            return f"{self.path}:{self.fraction:g}{lab}"
+        return self.path + lab
 
 
 # --------------------------------------------------------------------------- mixing
@@ -115,6 +145,7 @@ def _check_sources(sources: list[SourceSpec]) -> list[int]:
     if not sources:
         raise ValueError("no sources given")
     seen: dict[str, str] = {}
+    labels: dict[str, str] = {}
     sizes = []
     for spec in sources:
         if not isinstance(spec, SourceSpec):
@@ -134,6 +165,10 @@ def _check_sources(sources: list[SourceSpec]) -> list[int]:
                 f"source {p} is given twice (also as {seen[real]}); its samples would all be duplicates"
             )
         seen[real] = p
+        if spec.name in labels:
+            raise ValueError(f"sources {labels[spec.name]} and {p} would both be labelled "
+                             f"{spec.name!r}; give one a label: PATH::LABEL")
+        labels[spec.name] = p
         try:
             with open(p, "rb"):
                 pass

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_DATA = [str(REPO_ROOT / "examples" / "data" / "personal.jsonl"),
-               str(REPO_ROOT / "examples" / "data" / "general_sharegpt.jsonl") + ":600"]
+               str(REPO_ROOT / "examples" / "data" / "general_sharegpt.jsonl") + ":600::general"]
 SUMMARY_FILE = "summary.json"
 CHECK_FILE = "check.json"
 

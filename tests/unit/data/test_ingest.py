@@ -164,7 +164,7 @@ def test_openai_basic_and_schema(tmp_path):
     assert json.loads(r1["messages"]) == [{"role": "user", "content": "hi"}]
     assert json.loads(r1["reference"]) == {"role": "assistant", "content": "hello"}
     assert r1["num_turns"] == 1
-    assert r1["source"] == str(src)
+    assert r1["source"] == src.stem
     assert r1["sample_id"] == spec_id([{"role": "user", "content": "hi"}],
                                       {"role": "assistant", "content": "hello"})
     assert r1["sample_id"] == "s" + r1["content_hash"][:20]
@@ -329,7 +329,7 @@ def test_bad_line_rejected(tmp_path, line, reason):
     assert rej["reason"] == reason and rej["line"] == 2
     assert rej["byte_offset"] == len(good) + 1
     assert rej["raw"] == line and rej["raw_bytes"] == len(line.encode()) and not rej["raw_truncated"]
-    assert rej["source"] == str(src)
+    assert rej["source"] == src.stem
 
 
 def test_invalid_json_message_and_deep_nesting(tmp_path):
@@ -436,7 +436,7 @@ def test_empty_file_warns_and_writes_empty_outputs(tmp_path):
     msgs: list[str] = []
     res = run(tmp_path, [src], progress=msgs.append)
     assert res.lines_read == 0 and res.accepted == 0
-    assert res.per_source[str(src)] == dict.fromkeys(COUNTERS, 0)
+    assert res.per_source[src.stem] == dict.fromkeys(COUNTERS, 0)
     assert any("empty" in m for m in msgs)
     assert any("empty" in w for w in res.warnings)
     table = pq.read_table(res.out_dir / "prompts.parquet")
@@ -485,7 +485,7 @@ def test_ids_stable_across_runs_and_added_sources(tmp_path):
     assert r1 == r2  # same ids, same order
     r3 = rows(run(tmp_path, [a, b], name="o3"))
     ids_a = {(r["source_line"], r["sample_id"]) for r in r1}
-    assert {(r["source_line"], r["sample_id"]) for r in r3 if r["source"] == str(a)} == ids_a
+    assert {(r["source_line"], r["sample_id"]) for r in r3 if r["source"] == a.stem} == ids_a
     assert len({r["sample_id"] for r in r3}) == 30
     for r in r1:
         i = r["source_line"] - 1
@@ -498,18 +498,18 @@ def test_dedupe_across_and_within_sources(tmp_path):
     b = write_lines(tmp_path / "b.jsonl", [qa(2), qa(3)])
     res = run(tmp_path, [a, b])
     assert (res.accepted, res.duplicates) == (3, 2)
-    assert res.per_source[str(a)]["duplicates"] == 1 and res.per_source[str(b)]["duplicates"] == 1
+    assert res.per_source[a.stem]["duplicates"] == 1 and res.per_source[b.stem]["duplicates"] == 1
     kept = {r["sample_id"]: (r["source"], r["source_line"]) for r in rows(res)}
     dups = read_jsonl(res.out_dir / "duplicates.jsonl")
-    assert [(d["source"], d["line"]) for d in dups] == [(str(a), 3), (str(b), 1)]
+    assert [(d["source"], d["line"]) for d in dups] == [(a.stem, 3), (b.stem, 1)]
     for d in dups:
         assert kept[d["sample_id"]] == (d["kept_source"], d["kept_line"])
         assert "question" not in json.dumps(d)  # no raw text
     assert kept[spec_id([{"role": "user", "content": "question 2"}],
-                        {"role": "assistant", "content": "answer 2"})] == (str(a), 2)
+                        {"role": "assistant", "content": "answer 2"})] == (a.stem, 2)
     # Source order decides which copy wins.
     res2 = run(tmp_path, [b, a], name="o2")
-    assert {r["sample_id"]: r["source"] for r in rows(res2)}[dups[1]["sample_id"]] == str(b)
+    assert {r["sample_id"]: r["source"] for r in rows(res2)}[dups[1]["sample_id"]] == b.stem
 
 
 # --------------------------------------------------------------------------- mixing
@@ -524,21 +524,21 @@ def test_mix_count(tmp_path):
     assert {o["sample_id"] for o in out}.isdisjoint(kept)
     kept_lines = {r["source_line"] for r in rows(res)}
     assert sorted(o["line"] for o in out) == sorted(set(range(1, 11)) - kept_lines)
-    assert all(o["source"] == str(a) for o in out)
+    assert all(o["source"] == a.stem for o in out)
 
 
 def test_mix_fraction(tmp_path):
     a = write_lines(tmp_path / "a.jsonl", [qa(i) for i in range(10)])
     b = write_lines(tmp_path / "b.jsonl", [qa(i) for i in range(100, 120)])
     res = run(tmp_path, [f"{a}:0.3", str(b)])
-    assert res.per_source[str(a)]["accepted"] == 3 and res.per_source[str(a)]["sampled_out"] == 7
-    assert res.per_source[str(b)]["accepted"] == 20 and res.accepted == 23
+    assert res.per_source[a.stem]["accepted"] == 3 and res.per_source[a.stem]["sampled_out"] == 7
+    assert res.per_source[b.stem]["accepted"] == 20 and res.accepted == 23
 
 
 def test_mix_fraction_counts_after_dedupe(tmp_path):
     a = write_lines(tmp_path / "a.jsonl", [qa(i % 5) for i in range(10)] + ["bad"])
     res = run(tmp_path, [f"{a}:0.4"])
-    pc = res.per_source[str(a)]
+    pc = res.per_source[a.stem]
     assert pc == {"lines_read": 11, "accepted": 2, "duplicates": 5, "rejected": 1, "sampled_out": 3}
 
 
@@ -547,10 +547,10 @@ def test_mix_shortfall(tmp_path):
     msgs: list[str] = []
     res = run(tmp_path, [f"{a}:50"], progress=msgs.append)
     assert (res.accepted, res.sampled_out) == (10, 0)
-    assert res.shortfall == {str(a): 40}
+    assert res.shortfall == {a.stem: 40}
     assert any("50" in m and "10" in m for m in msgs)
     report = json.loads((res.out_dir / "report.json").read_text())
-    assert report["sources"][0]["shortfall"] == 40 and report["shortfall"] == {str(a): 40}
+    assert report["sources"][0]["shortfall"] == 40 and report["shortfall"] == {a.stem: 40}
 
 
 def test_mix_seeded_determinism(tmp_path):
@@ -574,7 +574,7 @@ def test_adding_a_source_keeps_other_selection(tmp_path):
     b = write_lines(tmp_path / "b.jsonl", [qa(i) for i in range(100, 150)])
     only_a = rows(run(tmp_path, [f"{a}:10"], name="o1", seed=3))
     both = rows(run(tmp_path, [f"{b}:0.2", f"{a}:10"], name="o2", seed=3))
-    assert {r["sample_id"] for r in only_a} == {r["sample_id"] for r in both if r["source"] == str(a)}
+    assert {r["sample_id"] for r in only_a} == {r["sample_id"] for r in both if r["source"] == a.stem}
 
 
 # --------------------------------------------------------------------------- outputs
@@ -627,3 +627,22 @@ def test_atomic_outputs_no_temp_files_and_failure_keeps_old(tmp_path):
     res2 = run(tmp_path, [b])
     assert res2.accepted == 3 and res2.rejected == 1
     assert os.listdir(out) and not any(".tmp-" in n for n in os.listdir(out))
+
+
+def test_source_labels_stem_or_given(tmp_path):
+    """Rows, counters and the report name a source by its label: the file's stem, or the
+    label given after '::'; two sources that would share a label are refused up front."""
+    a = write_lines(tmp_path / "mine.jsonl", [qa(i) for i in range(6)])
+    sub = tmp_path / "other"
+    sub.mkdir()
+    b = write_lines(sub / "mine.jsonl", [qa(i) for i in range(100, 104)])
+    with pytest.raises(ValueError, match="both be labelled 'mine'.*PATH::LABEL"):
+        run(tmp_path, [a, b], name="clash")
+    res = run(tmp_path, [f"{a}:3::personal", str(b)], name="ok")
+    assert set(res.per_source) == {"personal", "mine"}
+    assert {r["source"] for r in rows(res)} == {"personal", "mine"}
+    report = json.loads((res.out_dir / "report.json").read_text())
+    assert [(s["label"], s["path"]) for s in report["sources"]] == [("personal", str(a)), ("mine", str(b))]
+    assert SourceSpec.parse("x/y.jsonl:0.5::g-1").describe() == "x/y.jsonl:0.5::g-1"
+    with pytest.raises(ValueError, match="label"):
+        SourceSpec.parse("x.jsonl::bad label")
