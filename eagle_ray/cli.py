@@ -189,9 +189,11 @@ def cmd_train(args) -> int:
 def cmd_export(args) -> int:
     from eagle_ray.export.drafter import export_drafter
 
-    out = export_drafter(args.run, args.out)
+    out = export_drafter(args.run, args.out, evaluation=args.evaluation)
+    serving = json.loads((out / "serving.json").read_text())
     print(f"export: drafter written to {out} (vLLM: speculative_config="
-          f'{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": K}})')
+          f"{json.dumps(serving['speculative_config'])}"
+          + (", draft_sample_method as measured by evaluate" if args.evaluation else "") + ")")
     return 0
 
 
@@ -199,7 +201,7 @@ def cmd_evaluate(args) -> int:
     from eagle_ray.evaluate.run import run_evaluate
 
     r = run_evaluate(_recipe(args), args.drafter, args.prompts, args.out, k=args.k, limit=args.limit,
-                     seeds=args.seeds)
+                     seeds=args.seeds, baseline_drafter=args.baseline_drafter)
     print(f"evaluate: mean acceptance length offline {r['offline']['mean_acceptance_length']:.3f}, "
           f"online {r['online']['mean_acceptance_length']:.3f}, untrained "
           f"{r['untrained']['mean_acceptance_length']:.3f}, n-gram {r['ngram']['mean_acceptance_length']:.3f}; "
@@ -346,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a drafter directory vLLM loads (method eagle3)")
     p.add_argument("--run", required=True, help="training run directory")
     p.add_argument("--out", required=True, help="drafter directory")
+    p.add_argument("--evaluation", help="an `eagle-ray evaluate` report.json of this drafter: "
+                   "serving.json then recommends the draft_sample_method it measured best")
     p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser("evaluate", help="offline + online (vLLM) acceptance vs untrained and n-gram")
@@ -357,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="held-out prompts to run online (default evaluate.prompts)")
     p.add_argument("--seeds", type=int,
                    help="seeds at the serving profile (default evaluate.seeds; 0: greedy only)")
+    p.add_argument("--baseline-drafter", metavar="DIR",
+                   help="also measure this drafter (e.g. the published one the run started from)")
     p.set_defaults(fn=cmd_evaluate)
 
     p = sub.add_parser("check", help="verify serving feeds the drafter the features it was trained on")

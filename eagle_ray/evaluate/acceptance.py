@@ -34,10 +34,34 @@ def pooled(num_drafts: int, accepted_per_pos: list[int]) -> dict[str, Any]:
             "mean_acceptance_length": 1 + sum(accepted_per_pos) / d}
 
 
+class _Tally:
+    """Drafts and (expected) accepted counts per position, pooled and per source."""
+
+    def __init__(self, k: int) -> None:
+        self.k, self.drafts, self.acc = k, {}, {}
+
+    def add(self, source: str, drafts: int, accepted: list[float]) -> None:
+        for key in ("all", source):
+            self.drafts[key] = self.drafts.get(key, 0) + drafts
+            prev = self.acc.setdefault(key, [0.0] * self.k)
+            for j, a in enumerate(accepted):
+                prev[j] += a
+
+    def result(self) -> dict[str, Any]:
+        out = pooled(self.drafts.get("all", 0), self.acc.get("all", [0.0] * self.k))
+        out["per_source"] = {s: pooled(self.drafts[s], self.acc[s]) for s in sorted(self.drafts)
+                             if s != "all"}
+        return out
+
+
 @torch.no_grad()
 def offline_acceptance(run_info: dict, drafter_state: dict | None, k: int,
-                       max_samples: int = 256) -> dict[str, Any]:
-    """Simulated acceptance on the run's held-out split (drafter_state None = untrained)."""
+                       max_samples: int = 256, sampling: dict | None = None) -> dict[str, Any]:
+    """Simulated acceptance on the run's held-out split (drafter_state None = untrained),
+    pooled and per source: greedy (the chain of exact argmax matches), and with `sampling`
+    (temperature > 0) the acceptance expected at that serving profile for greedy and for
+    probabilistic drafting (`eagle_ray.evaluate.served`)."""
+    from eagle_ray.evaluate.served import served_step_rates
     from eagle_ray.export.drafter import build_drafter
     from eagle_ray.store.reader import HiddenStateStore
     from eagle_ray.store.batch import collate
@@ -47,16 +71,48 @@ def offline_acceptance(run_info: dict, drafter_state: dict | None, k: int,
     embed, head = load_embed_and_lm_head(run_info["target_dir"])
     model.set_target_weights(embed.float(), head.float())
     store = HiddenStateStore(run_info["store"])
+    index = store.index_table()
+    source_of = dict(zip(index.column("sample_id").to_pylist(), index.column("source").to_pylist()))
     ids = run_info["val_ids"][:max_samples]
-    drafts, accepted = 0, [0] * k
+    served = sampling is not None and float(sampling.get("temperature") or 0) > 0
+    greedy, as_greedy, as_prob = _Tally(k), _Tally(k), _Tally(k)
     for lo in range(0, len(ids), 16):
-        out = model.ttt_outputs(collate(store, ids[lo:lo + 16]), ttt_steps=k)
+        chunk = ids[lo:lo + 16]
+        batch = collate(store, chunk)
+        out = model.ttt_outputs(batch, ttt_steps=k)
         run = torch.ones_like(out.valid[0])
-        drafts += int(out.valid[0].sum())
+        hits = []
         for j in range(k):
             run = run & out.correct[j]  # correct implies valid
-            accepted[j] += int(run.sum())
-    return pooled(drafts, accepted) | {"samples": len(ids), "k": k}
+            hits.append(run.sum(-1))
+        rates = None
+        if served:
+            rates = ([], [])
+            for j in range(k):
+                rows = model._shift(batch["final"], 1 + j)[out.valid[j]]        # target row t+1+j
+                g, p = served_step_rates(rows, out.logits[j].detach()[out.valid[j]],
+                                         model.target_lm_head_weight, model.draft_ids, sampling)
+                for dst, vals in zip(rates, (g, p)):
+                    full = torch.zeros(out.valid[j].shape)
+                    full[out.valid[j]] = vals
+                    dst.append(full)
+        for b, sid in enumerate(chunk):
+            src = source_of.get(sid, "?")
+            n = int(out.valid[0][b].sum())
+            greedy.add(src, n, [float(h[b]) for h in hits])
+            if rates:
+                for tally, alphas in zip((as_greedy, as_prob), rates):
+                    chain = torch.ones(alphas[0].shape[1])
+                    acc = []
+                    for j in range(k):
+                        chain = chain * alphas[j][b]
+                        acc.append(float((chain * out.valid[0][b]).sum()))
+                    tally.add(src, n, acc)
+    res = greedy.result() | {"samples": len(ids), "k": k}
+    if served:
+        res["as_served"] = {"sampling": dict(sampling), "greedy_drafting": as_greedy.result(),
+                            "probabilistic_drafting": as_prob.result()}
+    return res
 
 
 def _spec_counters(llm) -> tuple[int, list[int]]:
@@ -67,11 +123,14 @@ def _spec_counters(llm) -> tuple[int, list[int]]:
 
 
 def online_run(engine_kwargs: dict, prompts: list[list[int]], max_tokens: int,
-               speculative_config: dict | None, sampled: dict | None = None) -> dict[str, Any]:
+               speculative_config: dict | None, sampled: dict | None = None,
+               sources: list[str] | None = None) -> dict[str, Any]:
     """Generation in vLLM (optionally speculative): greedy first (tokens/s, outputs, vLLM's
     spec counters), then, with `sampled` = {"sampling": {temperature, top_p, top_k, min_p},
     "seeds": [...]}, the same prompts once per seed at that sampling (per-request seeds,
-    counters read per seed) in the same engine: result["sampled"] = [one result per seed]."""
+    counters read per seed) in the same engine: result["sampled"] = [one result per seed].
+    With `sources` (one label per prompt) each source's prompts run as their own batch, so
+    vLLM's counters give acceptance per source too (result["per_source"])."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -80,24 +139,39 @@ def online_run(engine_kwargs: dict, prompts: list[list[int]], max_tokens: int,
 
     llm = LLM(**engine_kwargs, speculative_config=speculative_config, disable_log_stats=False)
     reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    labels = sources or ["all"] * len(reqs)
+    groups: dict[str, list[int]] = {}
+    for i, lab in enumerate(labels):
+        groups.setdefault(lab, []).append(i)
 
     def phase(llm, sps) -> dict[str, Any]:
-        d0, p0 = _spec_counters(llm) if speculative_config is not None else (0, [])
-        t0 = time.perf_counter()
-        outs = llm.generate(reqs, sps, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        tokens: list[list[int]] = [[] for _ in reqs]
+        dt, per_source = 0.0, {}
+        for lab, idx in groups.items():
+            d0, p0 = _spec_counters(llm) if speculative_config is not None else (0, [])
+            t0 = time.perf_counter()
+            outs = llm.generate([reqs[i] for i in idx], [sps[i] for i in idx], use_tqdm=False)
+            dt += time.perf_counter() - t0
+            for i, o in zip(idx, outs):
+                tokens[i] = list(o.outputs[0].token_ids)
+            if speculative_config is not None:
+                d1, p1 = _spec_counters(llm)
+                p0 = p0 + [0] * (len(p1) - len(p0))
+                per_source[lab] = pooled(d1 - d0, [b - a for a, b in zip(p0, p1)])
         r: dict[str, Any] = {"seconds": dt, "output_tokens": sum(map(len, tokens)),
                              "tokens_per_s": sum(map(len, tokens)) / dt, "outputs": tokens}
         if speculative_config is not None:
-            d1, p1 = _spec_counters(llm)
-            p0 = p0 + [0] * (len(p1) - len(p0))
-            r |= pooled(d1 - d0, [b - a for a, b in zip(p0, p1)])
+            drafts = sum(v["num_drafts"] for v in per_source.values())
+            k = max((len(v["accepted_per_pos"]) for v in per_source.values()), default=0)
+            acc = [sum((v["accepted_per_pos"] + [0] * k)[j] for v in per_source.values()) for j in range(k)]
+            r |= pooled(drafts, acc)
+            if sources:
+                r["per_source"] = dict(sorted(per_source.items()))
         return r
 
     try:
-        result = phase(llm, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                           skip_special_tokens=False))
+        greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, skip_special_tokens=False)
+        result = phase(llm, [greedy] * len(reqs))
         if sampled:
             kw = sampling_kwargs(sampled["sampling"])
             result["sampled"] = []
@@ -112,7 +186,8 @@ def online_run(engine_kwargs: dict, prompts: list[list[int]], max_tokens: int,
 
 
 def online_run_isolated(engine_kwargs: dict, prompts: list[list[int]], max_tokens: int,
-                        speculative_config: dict | None, sampled: dict | None = None) -> dict[str, Any]:
+                        speculative_config: dict | None, sampled: dict | None = None,
+                        sources: list[str] | None = None) -> dict[str, Any]:
     """`online_run` in a child process. Engines must not share a process here: vLLM's n-gram
     proposer imports numba/llvmlite, after which vLLM 0.32's CPU kernel-override scan fails
     for every later engine in that process ('_lib_fn_wrapper' object has no attribute 'get')."""
@@ -125,7 +200,7 @@ def online_run_isolated(engine_kwargs: dict, prompts: list[list[int]], max_token
         req, res = Path(d) / "request.json", Path(d) / "result.json"
         req.write_text(json.dumps({"engine_kwargs": engine_kwargs, "prompts": prompts,
                                    "max_tokens": max_tokens, "speculative_config": speculative_config,
-                                   "sampled": sampled}))
+                                   "sampled": sampled, "sources": sources}))
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         subprocess.run([sys.executable, "-m", "eagle_ray.evaluate.acceptance", str(req), str(res)],
                        check=True, env=env, timeout=3600)
@@ -133,25 +208,29 @@ def online_run_isolated(engine_kwargs: dict, prompts: list[list[int]], max_token
 
 
 def prompts_from_ingest(prompts_dir: str | Path, tokenizer, limit: int,
-                        exclude_ids: set[str] | None = None) -> list[list[int]]:
+                        exclude_ids: set[str] | None = None, *,
+                        with_sources: bool = False) -> list[list[int]] | tuple[list[list[int]], list[str]]:
     """Token ids of up to `limit` ingest prompts, skipping every prompt any of whose samples
-    is in exclude_ids (sample ids `<prompt>#<j>` exclude their prompt)."""
+    is in exclude_ids (sample ids `<prompt>#<j>` exclude their prompt); `with_sources`: also
+    each prompt's source label."""
     from eagle_ray.common.tables import read_stage_table
     from eagle_ray.data.ids import prompt_id
 
     exclude_ids = {prompt_id(s) for s in exclude_ids} if exclude_ids else None
 
-    _, table = read_stage_table(prompts_dir, "prompts.parquet", ["sample_id", "messages"], "ingest",
-                                columns=["sample_id", "messages"])
-    out = []
-    for sid, m in zip(table.column("sample_id").to_pylist(), table.column("messages").to_pylist()):
+    _, table = read_stage_table(prompts_dir, "prompts.parquet", ["sample_id", "source", "messages"], "ingest",
+                                columns=["sample_id", "source", "messages"])
+    out, labels = [], []
+    for sid, src, m in zip(table.column("sample_id").to_pylist(), table.column("source").to_pylist(),
+                           table.column("messages").to_pylist()):
         if exclude_ids and sid in exclude_ids:
             continue
         text = tokenizer.apply_chat_template(json.loads(m), tokenize=False, add_generation_prompt=True)
         out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        labels.append(src)
         if len(out) >= limit:
             break
-    return out
+    return (out, labels) if with_sources else out
 
 
 if __name__ == "__main__":  # child process of online_run_isolated
@@ -159,5 +238,5 @@ if __name__ == "__main__":  # child process of online_run_isolated
 
     a = json.loads(Path(sys.argv[1]).read_text())
     out = online_run(a["engine_kwargs"], a["prompts"], a["max_tokens"], a["speculative_config"],
-                     a.get("sampled"))
+                     a.get("sampled"), a.get("sources"))
     Path(sys.argv[2]).write_text(json.dumps(out))

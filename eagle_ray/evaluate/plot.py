@@ -19,6 +19,13 @@ def main(report_path: str, png_path: str) -> None:
             continue
         ax.plot(pos, r[name]["per_position_acceptance"], marker="o",
                 label=f"{label} (AL {r[name]['mean_acceptance_length']:.2f})")
+    served = r.get("as_served") or {}
+    for name, label in (("online", "as served, greedy drafting"),
+                        ("online_probabilistic", "as served, probabilistic drafting")):
+        m = (served.get("runs") or {}).get(name)
+        if m and "per_position_acceptance" in m:
+            ax.plot(pos, m["per_position_acceptance"], marker="s", linestyle="--",
+                    label=f"{label} (AL {m['mean_acceptance_length']:.2f})")
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate (pooled over drafts)")
     ax.set_ylim(0, 1.05)

@@ -1,9 +1,15 @@
-"""`eagle-ray evaluate`: offline + online acceptance of a drafter, vs untrained and n-gram.
+"""`eagle-ray evaluate`: what the user will get from a drafter, offline and online, vs the
+untrained drafter, n-gram and optionally a baseline drafter (e.g. the published one a run
+started from), pooled and per ingest source.
 
 Writes OUT/report.json, OUT/report.md and OUT/acceptance.png. Online runs are real vLLM
-speculative decoding on the same held-out prompts (prompts whose sample ids the drafter
-was trained on are excluded), greedy, so every speculative run must reproduce the plain
-run's tokens exactly (`outputs_identical`).
+speculative decoding on the same held-out prompts (prompts whose samples the drafter was
+trained on are excluded). Greedy: every speculative run must reproduce the plain run's tokens
+exactly (`outputs_identical`). At the serving profile (temperature > 0), once per seed, with
+vLLM's rejection sampling: mean and spread over seeds, greedy and probabilistic drafting,
+speedup over no speculation (the report's headline), a distribution test (speculation must
+leave the output distribution unchanged, `served.distribution_tests`) and the acceptance
+expected offline from the store (`served`), which must agree with the online figure.
 """
 
 from __future__ import annotations
@@ -18,12 +24,16 @@ from eagle_ray.targets.resolve import resolve_target_path
 from eagle_ray.common.outputs import claim_output_dir
 from eagle_ray.common.provenance import atomic_write_bytes, atomic_write_json, provenance
 
+# Offline and online mean acceptance lengths must agree this closely; a wider gap means the
+# simulation or the serving path is wrong (a broken sampler, other features), not noise.
+MAX_OFFLINE_ONLINE_GAP = 0.5
+
 logger = logging.getLogger(__name__)
 
 
 def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, out_dir: str | Path,
-                 *, k: int | None = None, limit: int | None = None,
-                 seeds: int | None = None) -> dict[str, Any]:
+                 *, k: int | None = None, limit: int | None = None, seeds: int | None = None,
+                 baseline_drafter: str | Path | None = None) -> dict[str, Any]:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
@@ -48,63 +58,72 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
 
     check_same_target(recipe, model_dir, recorded_target(info["store_manifest"]),
                       f"the drafter {drafter_dir} (its run {run_dir})")
+    if baseline_drafter is not None:
+        baseline_drafter = _check_baseline_drafter(Path(baseline_drafter).resolve(), model_dir)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    held_out = prompts_from_ingest(prompts, tok, limit, exclude_ids=set(info["train_ids"]))
+    held_out, sources = prompts_from_ingest(prompts, tok, limit, exclude_ids=set(info["train_ids"]),
+                                            with_sources=True)
     if not held_out:
         raise ValueError(f"no held-out prompts in {prompts} (all were used for training)")
-
-    # Offline: trained vs untrained on the store's validation split.
-    weights = {kname: v for kname, v in load_file(str(drafter_dir / "model.safetensors")).items()}
-    # (An online-trained run has no store: no offline figures, the online ones are measured.)
-    offline = offline_acceptance(info, weights, k) if info.get("store") else None
-    offline_untrained = offline_acceptance(info, None, k) if info.get("store") else None
-
-    # Online: real vLLM, same prompts, greedy.
-    ekw = engine_kwargs(recipe, str(model_dir))
-    max_tokens = recipe.generate.max_tokens
-    untrained_dir = export_drafter(run_dir, out / "untrained_drafter", untrained=True)
-    runs: dict[str, Any] = {}
-    specs = {"baseline": None,
-             "online": {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": k},
-             "untrained": {"method": "eagle3", "model": str(untrained_dir), "num_speculative_tokens": k},
-             "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-                       "prompt_lookup_min": 2}}
     from eagle_ray.targets.serving import serving_profile
 
     profile = serving_profile(recipe, model_dir)
-    # As served: the same engines also run the prompts at the serving profile, once per seed
-    # (vLLM's rejection sampling), and the trained drafter with probabilistic drafting too.
-    sampled = ({"sampling": profile, "seeds": list(range(seeds))}
-               if profile["temperature"] > 0 and seeds > 0 else None)
+    served = profile["temperature"] > 0 and seeds > 0
+
+    # Offline: trained vs untrained on the store's validation split, greedy and (expected)
+    # as served. (An online-trained run has no store: no offline figures.)
+    weights = {kname: v for kname, v in load_file(str(drafter_dir / "model.safetensors")).items()}
+    sampling = profile if served else None
+    offline = offline_acceptance(info, weights, k, sampling=sampling) if info.get("store") else None
+    offline_untrained = offline_acceptance(info, None, k, sampling=sampling) if info.get("store") else None
+
+    # Online: real vLLM, same prompts, greedy, then once per seed as served.
+    ekw = engine_kwargs(recipe, str(model_dir))
+    max_tokens = recipe.generate.max_tokens
+    untrained_dir = export_drafter(run_dir, out / "untrained_drafter", untrained=True)
+    eagle = {"method": "eagle3", "num_speculative_tokens": k}
+    specs: dict[str, Any] = {"baseline": None,
+                             "online": {**eagle, "model": str(drafter_dir)},
+                             "untrained": {**eagle, "model": str(untrained_dir)},
+                             "ngram": {"method": "ngram", "num_speculative_tokens": k,
+                                       "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
+    if baseline_drafter is not None:
+        specs["baseline_drafter"] = {**eagle, "model": str(baseline_drafter)}
+    sampled = {"sampling": profile, "seeds": list(range(seeds))} if served else None
     if sampled:
         specs["online_probabilistic"] = {**specs["online"], "draft_sample_method": "probabilistic"}
+    runs: dict[str, Any] = {}
     for i, (name, spec) in enumerate(specs.items()):
         logger.info("evaluate: online run %d of %d, %s (%d prompts, greedy%s)", i + 1, len(specs),
                     name, len(held_out), f" + {seeds} seed(s) as served" if sampled else "")
-        runs[name] = online_run_isolated(ekw, held_out, max_tokens, spec, sampled)
+        runs[name] = online_run_isolated(ekw, held_out, max_tokens, spec, sampled, sources)
     base = runs["baseline"]["outputs"]
-    identical = {name: r["outputs"] == base for name, r in runs.items()
-                 if name not in ("baseline", "online_probabilistic")}
+    greedy_names = [n for n in runs if n not in ("baseline", "online_probabilistic")]
+    identical = {name: runs[name]["outputs"] == base for name in greedy_names}
     for r in runs.values():
         r.pop("outputs")
-    as_served = _as_served(runs, profile, sampled) if sampled else None
+    as_served = _as_served(runs, profile, sampled, offline) if sampled else None
     for r in runs.values():
         r.pop("sampled", None)
     runs.pop("online_probabilistic", None)
 
+    speedups = {n: runs[n]["tokens_per_s"] / runs["baseline"]["tokens_per_s"]
+                for n in runs if n != "baseline"}
     report = {
         "k": k, "prompts": len(held_out), "max_tokens": max_tokens,
+        "sources": {s: sources.count(s) for s in sorted(set(sources))},
         "drafter": str(drafter_dir), "target": str(model_dir),
+        "baseline_drafter_dir": str(baseline_drafter) if baseline_drafter is not None else None,
         "metric": "pooled over drafts as vLLM does: 1 + accepted / drafts (not a per-request mean)",
         "offline": offline, "offline_untrained": offline_untrained,
-        "online": runs["online"], "untrained": runs["untrained"], "ngram": runs["ngram"],
-        "baseline": runs["baseline"],
-        "speedup_vs_baseline": {n: runs[n]["tokens_per_s"] / runs["baseline"]["tokens_per_s"]
-                                for n in ("online", "untrained", "ngram")},
+        **{n: runs[n] for n in runs},
+        "speedup_vs_baseline": speedups,
         "outputs_identical": all(identical.values()), "outputs_identical_by_run": identical,
         "offline_online_gap": (abs(offline["mean_acceptance_length"]
                                    - runs["online"]["mean_acceptance_length"]) if offline else None),
         "serving_profile": profile, "as_served": as_served,
+        "headline": _headline(runs, as_served),
+        "device": _device(ekw),
         "provenance": provenance(),
     }
     atomic_write_json(out / "report.json", report)
@@ -119,25 +138,77 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
     return report
 
 
+def _check_baseline_drafter(path: Path, model_dir: Path) -> Path:
+    """A drafter directory for this target (config.json with the target's hidden size and
+    vocabulary), else refuse naming both sides."""
+    from eagle_ray.export.drafter import read_drafter_config
+
+    cfg = read_drafter_config(path)
+    if not (path / "model.safetensors").exists() and not list(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"baseline drafter {path} has no safetensors weights")
+    tcfg = json.loads((model_dir / "config.json").read_text())
+    tcfg = tcfg.get("text_config", tcfg)
+    for key in ("hidden_size", "vocab_size"):
+        want, got = tcfg.get(key), cfg.get(key)
+        if got is not None and want is not None and int(got) != int(want):
+            raise ValueError(f"baseline drafter {path} has {key} {got}, the target {model_dir} "
+                             f"has {want}: it was trained for another target")
+    return path
+
+
+def _device(ekw: dict) -> str:
+    import torch
+
+    return (f"GPU ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available()
+            else "CPU (the tiny target: a drafter step costs about a target step here, so "
+                 "speedups say little about a large target on GPUs)")
+
+
+def _headline(runs: dict[str, Any], as_served: dict[str, Any] | None) -> dict[str, Any]:
+    """The figure the user will see: speedup at the serving profile with the recommended
+    drafting method (greedy decoding's when the profile is greedy)."""
+    if as_served:
+        method = as_served["recommended_draft_sample_method"]
+        run = "online_probabilistic" if method == "probabilistic" else "online"
+        r = as_served["runs"][run]
+        return {"setting": "as served", "draft_sample_method": method,
+                "speedup": r["speedup_vs_baseline"], "mean_acceptance_length": r["mean_acceptance_length"],
+                "per_position_acceptance": r["per_position_acceptance"]}
+    r = runs["online"]
+    return {"setting": "greedy", "draft_sample_method": "greedy",
+            "speedup": r["tokens_per_s"] / runs["baseline"]["tokens_per_s"],
+            "mean_acceptance_length": r["mean_acceptance_length"],
+            "per_position_acceptance": r["per_position_acceptance"]}
+
+
 def as_served_line(report: dict[str, Any]) -> str | None:
     """One line of the as-served figures of a report (None without them)."""
     a = report.get("as_served")
     if not a:
         return None
+    h = report["headline"]
+    dist = a["distribution_test"]
     return (f"evaluate as served ({', '.join(f'{k} {v}' for k, v in a['sampling'].items())}, "
-            f"{len(a['seeds'])} seed(s)): mean acceptance length "
-            f"{a['runs']['online']['mean_acceptance_length']:.2f} with greedy drafting, "
-            f"{a['runs']['online_probabilistic']['mean_acceptance_length']:.2f} with "
-            f"probabilistic, n-gram {a['runs']['ngram']['mean_acceptance_length']:.2f}")
+            f"{len(a['seeds'])} seed(s)): speedup {h['speedup']:.2f}x with "
+            f"{h['draft_sample_method']} drafting (recommended); mean acceptance length "
+            f"{a['runs']['online']['mean_acceptance_length']:.2f} greedy drafting, "
+            f"{a['runs']['online_probabilistic']['mean_acceptance_length']:.2f} probabilistic, "
+            f"n-gram {a['runs']['ngram']['mean_acceptance_length']:.2f}; output distribution "
+            + ("unchanged" if dist["passed"] else "CHANGED (distribution test failed)")
+            + (f"; offline-online gap {a['offline_online_gap_max']:.2f}"
+               if a.get("offline_online_gap_max") is not None else ""))
 
 
-def _as_served(runs: dict[str, Any], profile: dict, sampled: dict) -> dict[str, Any]:
-    """Per drafter at the serving profile: acceptance pooled over seeds, its spread over
-    seeds, tokens/s and speedup over no speculation, and the drafting method that accepts
-    most (what the export recommends)."""
+def _as_served(runs: dict[str, Any], profile: dict, sampled: dict,
+               offline: dict[str, Any] | None) -> dict[str, Any]:
+    """Per drafter at the serving profile: acceptance pooled over seeds (and per source), its
+    spread over seeds, tokens/s and speedup over no speculation, the distribution test, the
+    offline expectation and its gap to online, and the drafting method that accepts most
+    (what the export recommends)."""
     import statistics
 
     from eagle_ray.evaluate.acceptance import pooled
+    from eagle_ray.evaluate.served import distribution_tests
 
     out: dict[str, Any] = {}
     for name, r in runs.items():
@@ -152,65 +223,138 @@ def _as_served(runs: dict[str, Any], profile: dict, sampled: dict) -> dict[str, 
             row |= pooled(drafts, acc) | {
                 "per_seed": means, "spread": (max(means) - min(means)),
                 "std": statistics.stdev(means) if len(means) > 1 else 0.0}
+            if "per_source" in per_seed[0]:
+                row["per_source"] = {
+                    src: pooled(sum(s["per_source"][src]["num_drafts"] for s in per_seed),
+                                [sum(s["per_source"][src]["accepted_per_pos"][j] for s in per_seed)
+                                 for j in range(len(per_seed[0]["per_source"][src]["accepted_per_pos"]))])
+                    for src in per_seed[0]["per_source"]}
         out[name] = row
     base = out["baseline"]["tokens_per_s"]
     for name, row in out.items():
         row["speedup_vs_baseline"] = row["tokens_per_s"] / base
     methods = {"greedy": out["online"]["mean_acceptance_length"],
                "probabilistic": out["online_probabilistic"]["mean_acceptance_length"]}
-    return {"sampling": {k: profile[k] for k in ("temperature", "top_p", "top_k", "min_p")},
-            "seeds": sampled["seeds"], "runs": out,
-            "draft_sample_method": methods,
-            "recommended_draft_sample_method": max(methods, key=methods.get)}
+    plain = [s["outputs"] for s in runs["baseline"]["sampled"]]
+    dist = distribution_tests(plain, {n: [s["outputs"] for s in r["sampled"]]
+                                      for n, r in runs.items() if n != "baseline"})
+    result = {"sampling": {k: profile[k] for k in ("temperature", "top_p", "top_k", "min_p")},
+              "seeds": sampled["seeds"], "runs": out,
+              "draft_sample_method": methods,
+              "recommended_draft_sample_method": max(methods, key=methods.get),
+              "distribution_test": dist}
+    if offline and offline.get("as_served"):
+        off = offline["as_served"]
+        gaps = {"greedy": abs(off["greedy_drafting"]["mean_acceptance_length"] - methods["greedy"]),
+                "probabilistic": abs(off["probabilistic_drafting"]["mean_acceptance_length"]
+                                     - methods["probabilistic"])}
+        result |= {"offline_expected": {"greedy": off["greedy_drafting"]["mean_acceptance_length"],
+                                        "probabilistic": off["probabilistic_drafting"]["mean_acceptance_length"]},
+                   "offline_online_gap": gaps, "offline_online_gap_max": max(gaps.values()),
+                   "offline_online_agree": max(gaps.values()) <= MAX_OFFLINE_ONLINE_GAP}
+    return result
+
+
+def _fmt_row(label: str, m: dict | None, k: int, extra: str = "") -> str:
+    pos = (" | ".join(f"{p:.3f}" for p in m["per_position_acceptance"]) if m and
+           "per_position_acceptance" in m else " | ".join("-" for _ in range(k)))
+    al = f"{m['mean_acceptance_length']:.3f}" if m and "mean_acceptance_length" in m else "-"
+    return f"| {label} | {al} | {pos}{extra} |\n"
+
+
+def _per_source_table(r: dict) -> str:
+    """Mean acceptance length per source, every figure of the report (the user's own traffic
+    first in the ingest order is not known here; sources sort by name)."""
+    cols: list[tuple[str, dict | None]] = [
+        ("offline greedy", r["offline"]),
+        ("online greedy", r["online"])]
+    s = r.get("as_served")
+    if s:
+        if r["offline"] and r["offline"].get("as_served"):
+            cols += [("offline as served, greedy drafting", r["offline"]["as_served"]["greedy_drafting"]),
+                     ("offline as served, probabilistic", r["offline"]["as_served"]["probabilistic_drafting"])]
+        cols += [("online as served, greedy drafting", s["runs"]["online"]),
+                 ("online as served, probabilistic", s["runs"]["online_probabilistic"]),
+                 ("n-gram as served", s["runs"]["ngram"])]
+    cols = [(n, m) for n, m in cols if m and m.get("per_source")]
+    if not cols:
+        return ""
+    srcs = sorted({src for _, m in cols for src in m["per_source"]})
+    head = "| source | prompts | " + " | ".join(n for n, _ in cols) + " |\n|---|---|" + "---|" * len(cols) + "\n"
+    body = ""
+    for src in ["all", *srcs]:
+        cells = []
+        for _, m in cols:
+            v = m if src == "all" else m["per_source"].get(src)
+            cells.append(f"{v['mean_acceptance_length']:.3f}" if v else "-")
+        n = r["prompts"] if src == "all" else r["sources"].get(src, 0)
+        body += f"| {src} | {n} | " + " | ".join(cells) + " |\n"
+    return ("\n## Per source (mean acceptance length; offline over the store's validation samples, "
+            "online over the held-out prompts)\n\n" + head + body)
 
 
 def _markdown(r: dict) -> str:
+    from eagle_ray.evaluate.served import distribution_lines
+
+    k = r["k"]
+    h = r["headline"]
+    title = (f"# Drafter evaluation\n\n**Expected speedup {h['setting']}: {h['speedup']:.2f}x** "
+             f"(output tokens/s with the drafter over without, {h['draft_sample_method']} drafting, "
+             f"mean acceptance length {h['mean_acceptance_length']:.2f}; per position "
+             + ", ".join(f"{p:.2f}" for p in h["per_position_acceptance"])
+             + f"). Measured on {r['device']}.\n\n")
+    if r.get("as_served") and not r["as_served"]["distribution_test"]["passed"]:
+        title += ("**WARNING: speculation changed the output distribution at the serving profile "
+                  "(distribution test below): these figures are not what serving would give.**\n\n")
+    head = ("| run | mean acceptance length | " + " | ".join(f"pos {j}" for j in range(k))
+            + " | output tok/s |\n|---|---|" + "---|" * k + "---|\n")
     rows = [("offline (store, simulated)", r["offline"], None),
             ("offline, untrained drafter", r["offline_untrained"], None),
             ("online EAGLE-3 (vLLM)", r["online"], r["online"]["tokens_per_s"]),
             ("online untrained drafter", r["untrained"], r["untrained"]["tokens_per_s"]),
-            ("online n-gram", r["ngram"], r["ngram"]["tokens_per_s"]),
-            ("no speculation", None, r["baseline"]["tokens_per_s"])]
-    k = r["k"]
-    head = ("| run | mean acceptance length | " + " | ".join(f"pos {j}" for j in range(k))
-            + " | output tok/s |\n|---|---|" + "---|" * k + "---|\n")
-    body = ""
-    for name, m, tps in rows:
-        pos = " | ".join(f"{p:.3f}" for p in m["per_position_acceptance"]) if m else " | ".join("-" * 1 for _ in range(k))
-        body += (f"| {name} | {m['mean_acceptance_length']:.3f} | " if m else f"| {name} | - | ") + pos + \
-                (f" | {tps:,.0f} |\n" if tps else " | - |\n")
+            ("online n-gram", r["ngram"], r["ngram"]["tokens_per_s"])]
+    if r.get("baseline_drafter"):
+        rows.append((f"online baseline drafter ({Path(r['baseline_drafter_dir']).name})",
+                     r["baseline_drafter"], r["baseline_drafter"]["tokens_per_s"]))
+    body = "".join(_fmt_row(n, m, k, f" | {tps:,.0f}" if tps else " | -") for n, m, tps in rows)
+    body += _fmt_row("no speculation", None, k, f" | {r['baseline']['tokens_per_s']:,.0f}")
     served = ""
     if r.get("as_served"):
         s = r["as_served"]
         samp = ", ".join(f"{key} {val}" for key, val in s["sampling"].items())
         served = (f"\n## As served ({samp}; {len(s['seeds'])} seed(s))\n\n"
-                  "| run | mean acceptance length | spread over seeds | "
-                  + " | ".join(f"pos {j}" for j in range(k)) + " | output tok/s | speedup |\n"
-                  "|---|---|---|" + "---|" * k + "---|---|\n")
+                  "| run | mean acceptance length | " + " | ".join(f"pos {j}" for j in range(k))
+                  + " | spread over seeds | output tok/s | speedup |\n"
+                  "|---|---|" + "---|" * k + "---|---|---|\n")
         names = {"online": "EAGLE-3, greedy drafting", "online_probabilistic":
-                 "EAGLE-3, probabilistic drafting", "untrained": "untrained drafter",
-                 "ngram": "n-gram", "baseline": "no speculation"}
+                 "EAGLE-3, probabilistic drafting", "baseline_drafter": "baseline drafter",
+                 "untrained": "untrained drafter", "ngram": "n-gram", "baseline": "no speculation"}
         for key, label in names.items():
-            m = s["runs"][key]
-            if "mean_acceptance_length" in m:
-                served += (f"| {label} | {m['mean_acceptance_length']:.3f} | {m['spread']:.3f} | "
-                           + " | ".join(f"{p:.3f}" for p in m["per_position_acceptance"]))
-            else:
-                served += f"| {label} | - | - | " + " | ".join("-" for _ in range(k))
-            served += f" | {m['tokens_per_s']:,.0f} | {m['speedup_vs_baseline']:.2f}x |\n"
+            m = s["runs"].get(key)
+            if m is None:
+                continue
+            spread = f"{m['spread']:.3f}" if "spread" in m else "-"
+            served += _fmt_row(label, m if "mean_acceptance_length" in m else None, k,
+                               f" | {spread} | {m['tokens_per_s']:,.0f} | {m['speedup_vs_baseline']:.2f}x")
         served += (f"\nRecommended draft_sample_method: {s['recommended_draft_sample_method']} "
                    "(mean acceptance length: " + ", ".join(
-                       f"{m} {a:.3f}" for m, a in s["draft_sample_method"].items())
-                   + "). Speedups are measured "
-                   "on this machine (the tiny CPU target: a drafter step costs about a target "
-                   "step there, so they say little about a large target on GPUs).\n")
-    return (f"# Drafter evaluation\n\n{r['prompts']} held-out prompts, k = {k}, greedy, "
+                       f"{m} {a:.3f}" for m, a in s["draft_sample_method"].items()) + ").\n")
+        if s.get("offline_expected"):
+            served += ("Expected offline from the store at this sampling: " + ", ".join(
+                f"{m} drafting {a:.3f} (gap {s['offline_online_gap'][m]:.3f})"
+                for m, a in s["offline_expected"].items())
+                + (f"; offline and online agree (gap <= {MAX_OFFLINE_ONLINE_GAP})." if s["offline_online_agree"]
+                   else f"; offline and online DISAGREE (gap > {MAX_OFFLINE_ONLINE_GAP}): the "
+                        "serving path does not verify drafts as the target samples, or the "
+                        "features differ") + "\n")
+        served += "\n" + "\n".join(distribution_lines(s["distribution_test"])) + "\n"
+    return (title + f"## Greedy\n\n{r['prompts']} held-out prompts, k = {k}, greedy, "
             f"max_tokens {r['max_tokens']}. Acceptance is {r['metric']}.\n\n{head}{body}\n"
             f"Outputs with speculation identical to without: {r['outputs_identical']}.\n"
             + (f"Offline vs online mean acceptance length gap: {r['offline_online_gap']:.3f}.\n"
                if r["offline_online_gap"] is not None else
                "Offline figures: none (the drafter was trained online, without a store).\n")
-            + served)
+            + served + _per_source_table(r))
 
 
 def _plot(r: dict, path: Path) -> None:

@@ -60,9 +60,11 @@ def served_dtype(engine_dtype: str, target_cfg: dict) -> str:
 
 
 def export_drafter(run_dir: str | Path, out_dir: str | Path, *, untrained: bool = False,
-                   seed: int = 0) -> Path:
+                   seed: int = 0, evaluation: str | Path | None = None) -> Path:
     """Write DRAFTER_DIR from the latest checkpoint of run_dir (or an untrained drafter of
-    the same shape and vocabulary, the baseline `evaluate` compares against)."""
+    the same shape and vocabulary, the baseline `evaluate` compares against). `evaluation`:
+    an `eagle-ray evaluate` report.json of this drafter, whose measured recommendation
+    (draft_sample_method at the serving profile) serving.json then carries."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -94,6 +96,8 @@ def export_drafter(run_dir: str | Path, out_dir: str | Path, *, untrained: bool 
                         "trained": not untrained, "run_dir": str(run.resolve()),
                         "provenance": provenance()}
     serving = serving_recommendation(info, Path(out_dir).resolve())
+    if evaluation is not None:
+        serving = with_measured_recommendation(serving, evaluation, run)
 
     def write(tmp: Path) -> None:
         save_file(state_dict_for_export(model, getattr(torch, dtype)), str(tmp / "model.safetensors"))
@@ -129,6 +133,30 @@ def serving_recommendation(info: dict[str, Any], drafter_dir: Path) -> dict[str,
             "command": cmd,
             "note": "Send requests with request_sampling (the serving profile this drafter was "
                     "trained for); `eagle-ray evaluate` measures its acceptance there."}
+
+
+def with_measured_recommendation(serving: dict[str, Any], report_path: str | Path,
+                                 run: Path) -> dict[str, Any]:
+    """serving.json with evaluate's measured choice of draft_sample_method (the one that
+    accepted most at the serving profile) and the figures behind it. A report of another
+    run's drafter is refused."""
+    report = json.loads(Path(report_path).read_text())
+    cfg_path = Path(report["drafter"]) / "config.json"
+    their_run = (json.loads(cfg_path.read_text()).get("eagle_ray", {}).get("run_dir")
+                 if cfg_path.exists() else None)
+    if their_run is not None and Path(their_run).resolve() != run.resolve():
+        raise ValueError(f"{report_path} evaluated the drafter of run {their_run}, not of {run}")
+    served = report.get("as_served")
+    if not served:
+        return serving | {"measured": {"report": str(report_path), "note": "greedy profile: "
+                                       "draft_sample_method does not matter"}}
+    method = served["recommended_draft_sample_method"]
+    spec = serving["speculative_config"] | {"draft_sample_method": method}
+    cmd = serving["command"].replace(json.dumps(serving["speculative_config"]), json.dumps(spec))
+    return serving | {"speculative_config": spec, "command": cmd, "measured": {
+        "report": str(Path(report_path).resolve()), "draft_sample_method": served["draft_sample_method"],
+        "recommended": method, "speedup": report["headline"]["speedup"],
+        "sampling": served["sampling"], "seeds": served["seeds"], "device": report.get("device")}}
 
 
 def read_drafter_config(drafter_dir: str | Path) -> dict[str, Any]:

@@ -77,9 +77,12 @@ op, the MLA attention backend). Those are engine arguments of the CPU recipes
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 logger = logging.getLogger(__name__)
+# Set to 1 to run vLLM's shipped CPU sampler expansion (wrong), for tests only.
+SHIPPED_SAMPLER_ENV = "EAGLE_RAY_SHIPPED_CPU_SAMPLER"
 
 
 def register() -> None:
@@ -103,6 +106,13 @@ def register() -> None:
         CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(
             _cpu_attn_kernel_block_sizes)
 
+    if os.environ.get(SHIPPED_SAMPLER_ENV) == "1":
+        # vLLM's own (broken) CPU expansion, on purpose: only the test that proves the
+        # distribution test catches a broken sampler sets this.
+        logger.warning("eagle_ray: %s=1: the CPU sampler fix is NOT installed; sampled "
+                       "speculative decoding verifies drafts against garbage temperatures",
+                       SHIPPED_SAMPLER_ENV)
+        return
     _install_expand_fix()
 
 
