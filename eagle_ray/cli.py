@@ -213,6 +213,20 @@ def cmd_evaluate(args) -> int:
     return 0 if r["outputs_identical"] else 1
 
 
+def cmd_curve(args) -> int:
+    from eagle_ray.evaluate.curve import run_curve
+
+    fr = [float(x) for x in args.fractions.split(",")] if args.fractions else None
+    r = run_curve(_recipe(args), args.run, args.out, fractions=fr, steps=args.steps,
+                  prompts=args.prompts, online_prompts=args.online_prompts, seed=args.seed)
+    for p in r["points"]:
+        print(f"curve: fraction {p['fraction']:g}: {p['samples']:,} samples, {p['tokens']:,} tokens, "
+              + ", ".join(f"{m.replace('_', ' ')} {p[m]:.3f}" for m in r["fits"]))
+    print(r["sentence"])
+    print(f"-> {args.out}/curve.md, curve.png")
+    return 0
+
+
 def cmd_check(args) -> int:
     from eagle_ray.evaluate.check import run_check
 
@@ -364,6 +378,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-drafter", metavar="DIR",
                    help="also measure this drafter (e.g. the published one the run started from)")
     p.set_defaults(fn=cmd_evaluate)
+
+    p = sub.add_parser("curve", help="would more data help? train on nested fractions, fit acceptance "
+                       "against training tokens, extrapolate")
+    _add_recipe_args(p)
+    p.add_argument("--run", required=True, help="training run directory (its store and split are used)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--fractions", help="comma-separated, e.g. 0.125,0.25,0.5,1 (default curve.fractions)")
+    p.add_argument("--steps", type=int, help="training steps per fraction (default curve.steps or train.max_steps)")
+    p.add_argument("--prompts", help="ingest output dir: the largest fraction also runs online as served")
+    p.add_argument("--online-prompts", type=int, help="held-out prompts for that (default curve.online_prompts)")
+    p.add_argument("--seed", type=int, default=0, help="the prompt order the fractions are cut from")
+    p.set_defaults(fn=cmd_curve)
 
     p = sub.add_parser("check", help="verify serving feeds the drafter the features it was trained on")
     _add_recipe_args(p)

@@ -438,6 +438,27 @@ class EvaluateConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class CurveConfig:
+    """`eagle-ray curve`: nested fractions of the training set (by prompt), each trained for
+    the same steps and judged on the same validation set (eagle_ray.evaluate.curve)."""
+
+    fractions: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0)
+    steps: int | None = None
+    """Training steps per fraction (None: train.max_steps)."""
+    workers: int = 1
+    """Ray Train workers per fraction; the fractions train side by side as Ray tasks."""
+    online_prompts: int = 16
+    """Held-out prompts the largest fraction runs online as served (0: offline only)."""
+
+    def __post_init__(self) -> None:
+        if not self.fractions or any(not 0 < f <= 1 for f in self.fractions) or len(self.fractions) < 2:
+            raise ValueError(f"curve.fractions={self.fractions}: need two or more, each in (0, 1]")
+        if (self.steps is not None and self.steps < 1) or self.workers < 1 or self.online_prompts < 0:
+            raise ValueError(f"curve: need steps >= 1, workers >= 1, online_prompts >= 0; got "
+                             f"{self.steps}, {self.workers}, {self.online_prompts}")
+
+
+@dataclass(kw_only=True, frozen=True)
 class Recipe:
     """Everything a run needs, by component."""
 
@@ -452,6 +473,7 @@ class Recipe:
     extract: ExtractConfig = field(default_factory=ExtractConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    curve: CurveConfig = field(default_factory=CurveConfig)
 
     def __post_init__(self) -> None:
         if self.generate.gpus_per_replica not in (0, self.target.tensor_parallel_size):

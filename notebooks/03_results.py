@@ -32,7 +32,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import polars as pl
-from IPython.display import Markdown, display
+from IPython.display import Image, Markdown, display
 
 from eagle_ray.job.pipeline import REPO_ROOT
 
@@ -171,3 +171,24 @@ print("aux layer ids each vLLM runner serves:", check.get("runner_layer_ids"))
 
 # %%
 Markdown((RUN / "evaluate" / "report.md").read_text())
+
+# %% [markdown]
+# ## Would more data help?
+#
+# `eagle-ray curve` (`OUT/curve/`, written by `eagle-ray curve --run OUT/train --prompts
+# OUT/ingest --out OUT/curve`): the drafter trained on nested fractions of this run's training
+# set (by prompt), the same steps each, judged on the same validation samples; the fit of mean
+# acceptance length against training tokens, and its extrapolation to 2x, 5x and 10x the data
+# with the store size and the time they would cost at this run's rate.
+
+# %%
+curve_dir = RUN / "curve"
+if (curve_dir / "curve.json").exists():
+    curve = json.loads((curve_dir / "curve.json").read_text())
+    display(pl.DataFrame(curve["points"]))
+    display(pl.DataFrame(curve["extrapolation"]))
+    print(curve["sentence"])
+    display(Image(filename=str(curve_dir / "curve.png")))
+else:
+    print(f"no curve for this run yet: eagle-ray curve --run {RUN / 'train'} --prompts {RUN / 'ingest'} "
+          f"--out {curve_dir}")

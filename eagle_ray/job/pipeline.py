@@ -198,8 +198,13 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path, *,
     if ev is not None:
         _skip("evaluate", out / "evaluate")
     else:
-        ev = run_evaluate(recipe, drafter, out / "ingest", out / "evaluate")
+        # A run started from a published drafter is judged against it too.
+        ev = run_evaluate(recipe, drafter, out / "ingest", out / "evaluate",
+                          baseline_drafter=recipe.train.init_from or None)
         ran.append("evaluate")
+    if "measured" not in (_json(drafter / "serving.json") or {}):
+        # serving.json recommends what evaluate measured best at the serving profile.
+        drafter = export_drafter(out / "train", drafter, evaluation=out / "evaluate" / "report.json")
     timings["export_check_evaluate"] = time.time() - t0
     offline_al = f"{ev['offline']['mean_acceptance_length']:.2f}" if ev["offline"] else "n/a (online)"
     print(f"evaluate: mean acceptance length offline {offline_al}, "
@@ -221,8 +226,8 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path, *,
                "extract": {"extracted": n_ext, "tokens": n_tok,
                            "samples": check["samples"]},
                "store_verify": check, "train": train, "check": chk_details,
-               "evaluate": {k: ev.get(k) for k in ("offline", "online", "untrained", "ngram",
-                                                   "outputs_identical", "as_served")},
+               "evaluate": {k: ev.get(k) for k in ("headline", "offline", "online", "untrained", "ngram",
+                                                   "baseline_drafter", "outputs_identical", "as_served")},
                "timings_s": timings}
     atomic_write_json(out / SUMMARY_FILE, json.loads(json.dumps(summary, default=str)))
     print("\n" + (out / "evaluate" / "report.md").read_text())

@@ -60,6 +60,19 @@ def finished_run(tmp_path_factory, ray_cluster):
     return run, run_end_to_end(r, SAMPLE_DATA, run)
 
 
+@pytest.fixture(scope="session")
+def finished_curve(finished_run):
+    """`eagle-ray curve` on the finished run (3 nested fractions, 20 steps each, the largest
+    also online as served on 8 prompts), written to RUN/curve where notebook 03 finds it."""
+    from eagle_ray.evaluate.curve import run_curve
+    from eagle_ray.recipes import load_recipe
+
+    run, _ = finished_run
+    r = load_recipe("tiny_kimi_cpu", ["train.cpus_per_worker=1", "curve.fractions=0.25,0.5,1",
+                                      "curve.steps=20", "curve.online_prompts=8"])
+    return run / "curve", run_curve(r, run / "train", run / "curve", prompts=run / "ingest")
+
+
 def train_killed_at(args: list[str], run, step: int, ray_address: str, last: int) -> None:
     """Run `eagle-ray train ARGS --out RUN` in its own process group and SIGKILL it once the
     checkpoint of `step` exists (before `last`'s): a crash mid-training."""

@@ -44,6 +44,28 @@ def test_evaluate_trained_beats_untrained_and_ngram(trained):
     for key in ("offline", "online", "untrained", "ngram"):
         assert "mean_acceptance_length" in saved[key]
     assert (d / "eval" / "report.md").exists() and (d / "eval" / "acceptance.png").stat().st_size > 1000
+    # As served (the recipe's 1.0 / 0.95, 2 seeds): the sampler leaves the distribution alone,
+    # offline expectation and online agree, figures per source, the speedup is the headline.
+    s = rep["as_served"]
+    print("as served:", {m: round(v, 3) for m, v in s["draft_sample_method"].items()},
+          "offline expected:", {m: round(v, 3) for m, v in s["offline_expected"].items()},
+          "distribution p:", {n: r["p_value"] for n, r in s["distribution_test"]["runs"].items()})
+    assert s["distribution_test"]["passed"], s["distribution_test"]
+    assert s["offline_online_agree"], s["offline_online_gap"]
+    assert set(rep["online"]["per_source"]) == {"in"} == set(rep["offline"]["per_source"])
+    assert len(s["runs"]["online"]["per_seed"]) == 2
+    assert rep["headline"]["setting"] == "as served" and rep["headline"]["speedup"] > 0
+    md = (d / "eval" / "report.md").read_text()
+    assert md.startswith("# Drafter evaluation\n\n**Expected speedup as served:") and "PASSED" in md
+    assert "## Per source" in md
+
+    # export --evaluation: serving.json recommends what was measured best.
+    from eagle_ray.export.drafter import export_drafter
+
+    export_drafter(d / "run", d / "drafter_measured", evaluation=d / "eval" / "report.json")
+    serving = json.loads((d / "drafter_measured" / "serving.json").read_text())
+    assert serving["speculative_config"]["draft_sample_method"] == s["recommended_draft_sample_method"]
+    assert serving["measured"]["draft_sample_method"] == s["draft_sample_method"]
 
 
 def _edit_config(src, dst, fn):

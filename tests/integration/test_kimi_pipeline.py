@@ -6,6 +6,8 @@ online. Layer-level equality of the captured features with transformers is in
 test_kimi_twin.py. The run itself is the session fixture `finished_run` (conftest.py), which
 test_notebooks.py also reads."""
 
+import json
+
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -61,4 +63,34 @@ def test_fine_tune_job_from_the_runs_own_export(finished_run, tmp_path):
     assert (gen["sampling"]["temperature"], gen["sampling"]["top_p"]) == (1.0, 0.95)
     served = s["evaluate"]["as_served"]
     assert served["runs"]["online"]["mean_acceptance_length"] > served["runs"]["ngram"]["mean_acceptance_length"]
-    assert json.loads((out / "drafter" / "serving.json").read_text())["request_sampling"]["top_p"] == 0.95
+    serving = json.loads((out / "drafter" / "serving.json").read_text())
+    assert serving["request_sampling"]["top_p"] == 0.95
+    # judged against the published drafter it started from; serving.json carries the measured choice
+    assert s["evaluate"]["baseline_drafter"]["mean_acceptance_length"] > 1.0
+    assert serving["measured"]["recommended"] == served["recommended_draft_sample_method"]
+    assert set(s["evaluate"]["online"]["per_source"]) <= {"personal", "general"}
+
+
+def test_curve_on_the_finished_run(finished_run, finished_curve):
+    """`eagle-ray curve`: nested fractions by prompt, the same validation set, a fit with its
+    sentence, the extrapolation with the planner's costs, the plot; the largest online too."""
+    run, _ = finished_run
+    out, r = finished_curve
+    pts = r["points"]
+    assert [p["fraction"] for p in pts] == [0.25, 0.5, 1.0]
+    assert pts[0]["tokens"] < pts[1]["tokens"] < pts[2]["tokens"]
+    ids = [set(json.loads((out / f"frac-{f:g}" / "run.json").read_text())["train_ids"]) for f in (0.25, 0.5, 1)]
+    assert ids[0] < ids[1] < ids[2]  # nested
+    info = json.loads((run / "train" / "run.json").read_text())
+    assert ids[2] == set(info["train_ids"])
+    for f in (0.25, 0.5, 1):
+        assert json.loads((out / f"frac-{f:g}" / "run.json").read_text())["val_ids"] == info["val_ids"]
+    fit = r["fits"][r["headline_metric"]]
+    assert r["sentence"].startswith("Doubling the data is predicted to add") and "R^2 =" in r["sentence"]
+    assert fit["points"] == 3 and fit["r2"] <= 1.0
+    assert [e["data"] for e in r["extrapolation"]] == ["2x", "5x", "10x"]
+    assert all(e["store_bytes"] > 0 and e["predicted"] <= r["k"] + 1 for e in r["extrapolation"])
+    assert pts[-1]["online_as_served_probabilistic"] >= 1.0
+    md = (out / "curve.md").read_text()
+    assert r["sentence"] in md and "| 0.25 |" in md
+    assert (out / "curve.png").stat().st_size > 1000

@@ -179,7 +179,7 @@ def test_02_operate_a_running_job(tmp_path, kernel_name, tiny_target_dir):
     print(f"02: {len(ids)} samples committed before the stop")
 
 
-def test_03_results(tmp_path, kernel_name, finished_run):
+def test_03_results(tmp_path, kernel_name, finished_run, finished_curve):
     run, summary = finished_run
     nb, text, seconds = run_notebook("03_results.py", tmp_path, kernel_name,
                                      EAGLE_RAY_NB_RUN=str(run))
@@ -190,5 +190,6 @@ def test_03_results(tmp_path, kernel_name, finished_run):
     assert "check ok: True" in text
     assert f"recipe {summary['recipe']['name']}, status finished" in text
     assert "# Drafter evaluation" in text  # report.md
-    assert _images(nb) >= 2  # training curves, acceptance per position
+    assert finished_curve[1]["sentence"] in text  # the data curve
+    assert _images(nb) >= 3  # training curves, acceptance per position, data curve
     assert seconds < 300
