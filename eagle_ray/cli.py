@@ -210,7 +210,15 @@ def cmd_evaluate(args) -> int:
 
     if as_served_line(r):
         print(as_served_line(r))
-    return 0 if r["outputs_identical"] else 1
+    served = r.get("as_served") or {}
+    problems = ([] if r["outputs_identical"] else ["greedy outputs with speculation differ from without"]) + (
+        ["speculation changed the output distribution at the serving profile (distribution test)"]
+        if served and not served["distribution_test"]["passed"] else []) + (
+        [f"offline and online acceptance as served disagree by {served['offline_online_gap_max']:.2f}"]
+        if served.get("offline_online_agree") is False else [])
+    for p in problems:
+        print(f"error: {p}; see {args.out}/report.md", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def cmd_curve(args) -> int:
