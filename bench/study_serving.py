@@ -9,6 +9,7 @@ with probabilistic drafting, and greedy as well:
   (b) from scratch on regenerations at the serving profile
   (c) (b) with 4 samples per prompt
   (d) fine-tuned from (a)'s export on (b)'s data (train.init_from)
+  (e) (b) with the full target vocabulary as draft vocabulary (no reduced vocab)
   self   the target drafting for itself (vLLM draft_model): the sampler's ceiling
 
     .venv/bin/python bench/study_serving.py --out out/study [--steps 200] [--seeds 3] [--prompts 64]
@@ -90,6 +91,12 @@ def main() -> None:
     drafters["(c) scratch, served data x4"], _ = _variant("c", four, out / "ingest", out)
     drafters["(d) from (a), served data"], _ = _variant(
         "d", base, out / "ingest", out, init_from=out / "a" / "drafter", store=store_b)
+    import json as _json
+
+    vocab = _json.loads((resolve_target_path(base.target) / "config.json").read_text())["vocab_size"]
+    drafters["(e) (b), full draft vocab"], _ = _variant(
+        "e", apply_overrides(base, [f"drafter.draft_vocab_size={vocab}"]), out / "ingest", out,
+        store=store_b)
 
     model_dir = resolve_target_path(base.target)
     tok = AutoTokenizer.from_pretrained(str(model_dir))

@@ -267,6 +267,17 @@ def cmd_store_verify(args) -> int:
     return 0 if rep["ok"] else 1
 
 
+def cmd_store_compact(args) -> int:
+    from eagle_ray.store.compact import compact, live_index_files
+
+    before = len(live_index_files(args.store))
+    res = compact(args.store, everything=True)
+    after = len(live_index_files(args.store))
+    print(f"{args.store}: index files {before:,} -> {after:,}"
+          + (f" ({res['rows']:,} rows merged)" if res else " (nothing to merge)"))
+    return 0
+
+
 def cmd_store_repair(args) -> int:
     from eagle_ray.store.repair import repair_store
 
@@ -420,6 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dry-run", action="store_true", help="report what would be removed")
     r.add_argument("--json", action="store_true")
     r.set_defaults(fn=cmd_store_repair)
+    c = store_sub.add_parser("compact", help="merge the committed index parts into one index file "
+                             "(atomic; safe while writers run; stores of any age)")
+    c.add_argument("store")
+    c.set_defaults(fn=cmd_store_compact)
 
     p = sub.add_parser("stats", help="token statistics of an ingested/generated/extracted table")
     p.add_argument("path")

@@ -109,8 +109,10 @@ class ExtractUDF:
         self._done: set[str] = set()
 
     def _committed(self) -> set[str]:
-        """Sample ids committed by any writer so far (reads only index parts not seen yet)."""
-        for p in sorted((Path(self.store_dir) / INDEX_DIR).glob("part-*.parquet")):
+        """Sample ids committed by any writer so far (reads only index files not seen yet;
+        a compact file repeats ids of parts already seen, which the set absorbs)."""
+        d = Path(self.store_dir) / INDEX_DIR
+        for p in sorted(d.glob("compact-*.parquet")) + sorted(d.glob("part-*.parquet")):
             if p.name not in self._seen_parts:
                 self._seen_parts.add(p.name)
                 self._done.update(pq.read_table(p, columns=["sample_id"]).column(0).to_pylist())

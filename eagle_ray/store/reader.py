@@ -56,16 +56,19 @@ def read_manifest(root: str | Path) -> StoreManifest:
 
 
 def read_index(root: str | Path) -> pa.Table:
-    """All committed index rows (temporary parts are not committed and are skipped)."""
-    parts = sorted((Path(root) / INDEX_DIR).glob("part-*.parquet"))
-    if not parts:
+    """All committed index rows: live compact files, then parts no compact file replaces
+    (store/compact.py); temporary files are not committed and are skipped."""
+    from eagle_ray.store.compact import live_index_files
+
+    files = live_index_files(root) if (Path(root) / INDEX_DIR).exists() else []
+    if not files:
         return INDEX_SCHEMA.empty_table()
-    return pa.concat_tables([read_index_part(p) for p in parts])
+    return pa.concat_tables([read_index_part(p) for p in files])
 
 
 def read_index_part(path: Path) -> pa.Table:
     try:
-        return pq.read_table(path, schema=INDEX_SCHEMA)
+        return pq.read_table(path, schema=INDEX_SCHEMA).replace_schema_metadata(None)
     except (OSError, ValueError, pa.ArrowException) as e:  # truncated / overwritten parquet
         raise StoreDamagedError(f"index part {path} is unreadable ({e}); "
                                 f"{repair_hint(path.parent.parent)}") from None

@@ -84,7 +84,10 @@ def repair_store(root: str | Path, *, dry_run: bool = False) -> dict[str, Any]:
     index parts, orphan shards and temporary files. Returns what was (or would be) done."""
     root = Path(root)
     manifest = read_manifest(root)  # an unreadable manifest cannot be repaired: it says how
-    with store_lock(root, exclusive=True, command="eagle-ray store repair"):
+    from eagle_ray.store.compact import _compaction_lock
+
+    with store_lock(root, exclusive=True, command="eagle-ray store repair"), \
+            _compaction_lock(root, blocking=True):  # no compaction reads a part being rewritten
         check = _row_checker(root, manifest)
         kept_ids: set[str] = set()
         referenced: set[str] = set()
@@ -92,7 +95,11 @@ def repair_store(root: str | Path, *, dry_run: bool = False) -> dict[str, Any]:
                                   "damaged_dropped": [], "parts_dropped": [], "parts_rewritten": [],
                                   "shards_removed": [], "temp_files_removed": []}
         rewrites: list[tuple[Path, pa.Table | None]] = []
-        for part in sorted((root / INDEX_DIR).glob("part-*.parquet")):
+        from eagle_ray.store.compact import finish_compactions, live_index_files
+
+        if not dry_run:
+            finish_compactions(root)  # a compaction a crash interrupted: drop what it replaced
+        for part in live_index_files(root):
             try:
                 table = read_index_part(part)
             except StoreDamagedError as e:

@@ -99,11 +99,17 @@ class StaleWriterError(StoreError):
 
 
 class StoreWriter:
-    def __init__(self, root: str | Path, manifest: StoreManifest, *, writer_id: str | None = None):
+    def __init__(self, root: str | Path, manifest: StoreManifest, *, writer_id: str | None = None,
+                 compact_every: int | None = None):
+        from eagle_ray.store.compact import COMPACT_EVERY_PARTS
+
         self.root = open_or_create(root, manifest)
         self.manifest = manifest
         self.writer_id = writer_id or uuid.uuid4().hex[:12]
         self.seq = 0
+        self.committed = 0
+        # Every this many commits the writer compacts the index (0: never).
+        self.compact_every = COMPACT_EVERY_PARTS if compact_every is None else compact_every
         self.lease = current_lease(self.root)  # the run this writer belongs to
 
     def _check_lease(self) -> None:
@@ -164,6 +170,7 @@ class StoreWriter:
             fsync_dir(shard.parent)
             os.replace(part_tmp, part)  # the commit point
             fsync_dir(part.parent)
+            self.committed += 1
         except BaseException as e:
             # ENOSPC and friends: leave nothing half-written. A shard whose index part did
             # not land is garbage; remove it now rather than leave it for repair.
@@ -177,6 +184,14 @@ class StoreWriter:
                     f"committed. Free space on {self.root} (or fix the file system) and re-run "
                     "`eagle-ray extract`: it resumes where it stopped") from e
             raise
+        if self.compact_every and self.committed % self.compact_every == 0:
+            from eagle_ray.store.compact import compact
+
+            try:  # the batch is committed: a failed compaction only leaves parts uncompacted
+                compact(self.root, blocking=False)
+            except OSError as e:
+                logger.warning("%s: index compaction skipped (%s); the parts stay readable",
+                               self.root, e.strerror or e)
         return table
 
 

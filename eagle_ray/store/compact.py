@@ -1,0 +1,158 @@
+"""Index compaction: many small committed index parts -> few large index files, atomically.
+
+Every write commits one index part (store/writer.py: the part is the commit record), so a
+store of N writes has N parts and opening it costs N file reads. Compaction merges committed
+files into one `index/compact-<id>.parquet` whose Parquet metadata names the files it
+replaces (`eagle_ray.replaces`, transitively). The protocol:
+
+    1. write index/.compact-<id>.parquet.tmp (every row of the inputs, in read order) -> fsync
+    2. rename -> index/compact-<id>.parquet                    (the switch: one rename)
+    3. unlink the replaced files, fsync the directory          (cleanup)
+
+Readers (`live_index_files`) read every compact file's metadata and skip every file a live
+compact file replaces, so at every instant each committed row is read exactly once: before
+step 2 from the inputs, after it from the compact file, whatever of step 3 has happened. A
+kill -9 before step 2 leaves a temporary file (an interrupted write, swept like the
+writer's); after it, leftover replaced files that the next compaction, `store repair` or
+`finish_compactions` removes. Parts committed while a compaction runs are not among its
+inputs and stay live. One compaction at a time per store (an flock on index/.compact.lock;
+a writer that finds it taken skips its turn). Sample ids are also deduplicated by readers
+(first occurrence), so even two overlapping compactions could not show a sample twice.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle_ray.common.provenance import fsync_dir
+from eagle_ray.store.format import INDEX_DIR, INDEX_SCHEMA
+
+logger = logging.getLogger(__name__)
+
+REPLACES_KEY = b"eagle_ray.replaces"
+LOCK_FILE = ".compact.lock"
+# A writer compacts after this many of its own commits (if no other compaction runs), and
+# compact files themselves are merged once there are this many.
+COMPACT_EVERY_PARTS = 64
+MERGE_COMPACTS_AT = 8
+
+
+def replaced_by(path: Path) -> list[str]:
+    """The file names a compact file replaces (from its Parquet metadata)."""
+    meta = pq.read_schema(path).metadata or {}
+    return json.loads(meta.get(REPLACES_KEY, b"[]"))
+
+
+def live_index_files(root: str | Path) -> list[Path]:
+    """The committed index files a reader must read: compact files (oldest first) then parts
+    (by name), minus every file a live compact file replaces."""
+    d = Path(root) / INDEX_DIR
+    compacts = sorted(d.glob("compact-*.parquet"))
+    replaced: set[str] = set()
+    for c in compacts:
+        replaced.update(replaced_by(c))
+    return ([c for c in compacts if c.name not in replaced]
+            + [p for p in sorted(d.glob("part-*.parquet")) if p.name not in replaced])
+
+
+def finish_compactions(root: str | Path) -> list[str]:
+    """Step 3 of compactions a crash interrupted: unlink files a live compact file replaces."""
+    d = Path(root) / INDEX_DIR
+    live = set(p.name for p in live_index_files(root))
+    gone = []
+    for c in sorted(d.glob("compact-*.parquet")):
+        if c.name not in live:
+            continue
+        for name in replaced_by(c):
+            p = d / name
+            if p.exists():
+                p.unlink()
+                gone.append(name)
+    if gone:
+        fsync_dir(d)
+    return gone
+
+
+@contextmanager
+def _compaction_lock(root: Path, blocking: bool) -> Iterator[bool]:
+    d = root / INDEX_DIR
+    fd = os.open(d / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def compact(root: str | Path, *, everything: bool = False, blocking: bool = True,
+            min_parts: int = 2) -> dict[str, int] | None:
+    """Merge committed index files (module doc). Parts are merged into one new compact file
+    when there are >= min_parts of them; all compact files (and parts) are merged into one
+    when `everything` or there are MERGE_COMPACTS_AT compact files. Returns {"merged",
+    "rows"}, or None when another compaction holds the lock (blocking=False) or there was
+    nothing to do."""
+    root = Path(root)
+    d = root / INDEX_DIR
+    with _compaction_lock(root, blocking) as got:
+        if not got:
+            return None
+        finish_compactions(root)
+        live = live_index_files(root)
+        compacts = [p for p in live if p.name.startswith("compact-")]
+        parts = [p for p in live if p.name.startswith("part-")]
+        if everything or len(compacts) >= MERGE_COMPACTS_AT:
+            inputs = compacts + parts
+            if len(inputs) < 2:
+                return None
+        else:
+            if len(parts) < min_parts:
+                return None
+            inputs = parts
+        replaces: list[str] = []
+        tables = []
+        for p in inputs:
+            replaces.append(p.name)
+            if p.name.startswith("compact-"):
+                replaces.extend(replaced_by(p))
+            tables.append(pq.read_table(p, schema=INDEX_SCHEMA))
+        table = pa.concat_tables(tables) if tables else INDEX_SCHEMA.empty_table()
+        # Names sort by creation: a time prefix keeps "oldest first" true for readers.
+        name = f"compact-{time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet"
+        tmp = d / f".{name}.tmp"
+        schema = INDEX_SCHEMA.with_metadata({REPLACES_KEY: json.dumps(sorted(set(replaces))).encode()})
+        try:
+            with open(tmp, "wb") as f:
+                pq.write_table(table.cast(schema), f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, d / name)  # the switch
+            fsync_dir(d)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        finish_compactions(root)
+    logger.info("%s: compacted %d index file(s), %d rows -> %s", root, len(inputs), table.num_rows, name)
+    return {"merged": len(inputs), "rows": table.num_rows}
+
+
+def time_ns() -> int:
+    import time
+
+    return time.time_ns()
