@@ -15,6 +15,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -91,6 +92,19 @@ def _first_occurrence(table: pa.Table) -> pa.Table:
     return table.filter(pa.array(keep))
 
 
+class _LazyColumns(dict):
+    """column name -> Python list of the index column, converted on first access."""
+
+    def __init__(self, table: pa.Table) -> None:
+        super().__init__()
+        self._table = table
+
+    def __missing__(self, name: str) -> list:
+        values = self._table.column(name).to_pylist()
+        self[name] = values
+        return values
+
+
 class HiddenStateStore:
     def __init__(self, root: str | Path, *, expect: StoreManifest | None = None,
                  max_open_shards: int = 64):
@@ -102,15 +116,22 @@ class HiddenStateStore:
                 raise StoreError(f"{root} does not hold the expected features: " + "; ".join(
                     f"{k}: store {a!r} vs expected {b!r}" for k, (a, b) in diff.items()))
         self.index = _first_occurrence(read_index(self.root))
-        self._row_of = {sid: i for i, sid in enumerate(self.index.column("sample_id").to_pylist())}
-        self._cols = {c: self.index.column(c).to_pylist()
-                      for c in ("sample_id", "shard", "offset", "num_tokens", "checksum")}
+        # Columns as Python lists and the id -> row map are built on first use: opening a
+        # store of a million samples costs reading its (compacted) index, not 1M objects.
+        self._cols = _LazyColumns(self.index)
+        self._row_of_map: dict[str, int] | None = None
         self._open: OrderedDict[str, Any] = OrderedDict()
         self._max_open = max_open_shards
         self._verified: set[int] = set()  # rows whose checksum passed in this process
 
     def __len__(self) -> int:
         return self.index.num_rows
+
+    @property
+    def _row_of(self) -> dict[str, int]:
+        if self._row_of_map is None:
+            self._row_of_map = {sid: i for i, sid in enumerate(self._cols["sample_id"])}
+        return self._row_of_map
 
     @property
     def sample_ids(self) -> list[str]:
@@ -183,20 +204,29 @@ def verify_store(root: str | Path, *, checksums: bool = True) -> dict[str, Any]:
     problems: list[str] = []
     manifest = read_manifest(root)
     index = read_index(root)
-    ids = index.column("sample_id").to_pylist()
-    dup = len(ids) - len(set(ids))
+    n_ids = pc.count_distinct(index.column("sample_id")).as_py() if index.num_rows else 0
+    dup = index.num_rows - n_ids
     if dup:
         problems.append(f"{dup} sample id(s) committed more than once")
     shards_on_disk = {p.name for p in (root / SHARDS_DIR).glob("shard-*.safetensors")}
-    referenced = set(index.column("shard").to_pylist())
+    # Rows grouped by shard with Arrow/numpy (a million rows: no Python object per row).
+    enc = pc.dictionary_encode(index.column("shard")).combine_chunks() if index.num_rows else None
+    names = enc.dictionary.to_pylist() if enc is not None else []
+    codes = enc.indices.to_numpy() if enc is not None else np.zeros(0, np.int64)
+    offsets = index.column("offset").to_numpy()
+    ntok = index.column("num_tokens").to_numpy().astype(np.int64)
+    order = np.argsort(codes, kind="stable")
+    bounds = np.searchsorted(codes[order], np.arange(len(names) + 1))
+    referenced = set(names)
     for name in sorted(referenced - shards_on_disk):
         problems.append(f"index references missing shard {name}")
-    by_shard: dict[str, list[dict]] = {}
-    for r in index.to_pylist():
-        by_shard.setdefault(r["shard"], []).append(r)
     expected_keys = {"aux", "final", "input_ids", "loss_mask"} | (
         {"aux_scale", "final_scale"} if manifest.dtype == "fp8_e4m3" else set())
-    for name in sorted(referenced & shards_on_disk):
+    for code in sorted(range(len(names)), key=names.__getitem__):
+        name = names[code]
+        if name not in shards_on_disk:
+            continue
+        rows = order[bounds[code]:bounds[code + 1]]
         try:
             h = safe_open(str(root / SHARDS_DIR / name), framework="pt")
             keys = set(h.keys())
@@ -208,21 +238,25 @@ def verify_store(root: str | Path, *, checksums: bool = True) -> dict[str, Any]:
                     h.get_slice("final").get_shape() != [T, manifest.hidden_size]:
                 problems.append(f"{name}: tensor shapes do not match the manifest")
                 continue
-            for r in by_shard[name]:
-                a, n = r["offset"], r["num_tokens"]
-                if a < 0 or a + n > T:
-                    problems.append(f"{r['sample_id']}: rows [{a}, {a + n}) outside {name} ({T} rows)")
-                    continue
-                if not checksums:
-                    continue
-                got = sample_checksum([tensor_bytes(h.get_slice(k)[a:a + n]) for k in sorted(keys)])
-                if got != r["checksum"]:
-                    problems.append(f"{r['sample_id']}: checksum mismatch in {name}")
+            a, n = offsets[rows], ntok[rows]
+            for i in rows[(a < 0) | (a + n > T)]:
+                problems.append(f"{index.column('sample_id')[int(i)].as_py()}: rows [{offsets[i]}, "
+                                f"{offsets[i] + ntok[i]}) outside {name} ({T} rows)")
+            if not checksums:
+                continue
+            ok_rows = rows[(a >= 0) & (a + n <= T)]
+            sums = index.column("checksum").take(pa.array(ok_rows)).to_pylist()
+            sids = index.column("sample_id").take(pa.array(ok_rows)).to_pylist()
+            for i, want, sid in zip(ok_rows, sums, sids):
+                a0, n0 = int(offsets[i]), int(ntok[i])
+                got = sample_checksum([tensor_bytes(h.get_slice(k)[a0:a0 + n0]) for k in sorted(keys)])
+                if got != want:
+                    problems.append(f"{sid}: checksum mismatch in {name}")
         except Exception as e:  # an unreadable shard is a finding, not a crash
             problems.append(f"{name}: unreadable ({type(e).__name__}: {e})")
     interrupted = [p.name for p in interrupted_writes(root, referenced)]
     orphans = sorted(shards_on_disk - referenced - set(interrupted))
-    return {"store": str(root), "samples": len(set(ids)), "shards": len(referenced),
+    return {"store": str(root), "samples": n_ids, "shards": len(referenced),
             "tokens": int(pc.sum(index.column("num_tokens")).as_py() or 0),
             "problems": problems, "orphans": orphans, "interrupted": interrupted,
             "ok": not problems and not orphans}

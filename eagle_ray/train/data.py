@@ -64,7 +64,8 @@ def make_batches(lengths: Sequence[int], tokens_per_batch: int, seed: int) -> li
         chunk = sorted(order[lo:lo + window], key=lambda i: lengths[i])
         cur: list[int] = []
         for i in chunk:
-            if cur and (len(cur) + 1) * max(lengths[i], max(lengths[j] for j in cur)) > tokens_per_batch:
+            # the chunk is sorted by length: lengths[i] is the longest of cur + [i]
+            if cur and (len(cur) + 1) * lengths[i] > tokens_per_batch:
                 batches.append(cur)
                 cur = []
             cur.append(i)
