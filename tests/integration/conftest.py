@@ -55,7 +55,7 @@ def finished_run(tmp_path_factory, ray_cluster):
 
     r = load_recipe("tiny_kimi_cpu", ["train.max_steps=150", "train.eval_interval=150",
                                       "train.ckpt_interval=150", "train.cpus_per_worker=1",
-                                      "evaluate.seeds=1"])
+                                      "evaluate.seeds=1", "evaluate.prompts=24"])
     run = tmp_path_factory.mktemp("kimi_twin") / "run"
     return run, run_end_to_end(r, SAMPLE_DATA, run)
 

@@ -33,7 +33,7 @@ def test_evaluate_trained_beats_untrained_and_ngram(trained):
     from eagle_ray.evaluate.run import run_evaluate
 
     d, r = trained
-    rep = run_evaluate(r, d / "drafter", d / "prompts", d / "eval", k=3, limit=32)
+    rep = run_evaluate(r, d / "drafter", d / "prompts", d / "eval", k=3, limit=24)
     al = {k: rep[k]["mean_acceptance_length"] for k in ("offline", "online", "untrained", "ngram")}
     print("mean acceptance length:", {k: round(v, 3) for k, v in al.items()})
     assert rep["outputs_identical"]
