@@ -118,7 +118,7 @@ def run_curve(recipe: Recipe, run_dir: str | Path, out_dir: str | Path, *,
     fractions = list(fractions or c.fractions)
     steps = int(steps or c.steps or recipe.train.max_steps)
     online_prompts = c.online_prompts if online_prompts is None else online_prompts
-    out = claim_output_dir(out_dir, "curve")
+    out = claim_output_dir(out_dir, "curve").resolve()  # Ray Train needs absolute storage paths
     k = recipe.drafter.num_speculative_tokens
     subsets = nested_fractions(info["train_ids"], fractions, seed)
 
