@@ -10,7 +10,7 @@ demo: setup
 	.venv/bin/python -m eagle_ray.job.demo --out out/demo
 
 test: setup
-	.venv/bin/python -m pytest -q -n 2 --dist loadgroup tests
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile tests
 
 bench: setup
 	.venv/bin/python bench/bench_ingest_stats.py

@@ -9,6 +9,7 @@ test_notebooks.py also reads."""
 import json
 
 import pytest
+from test_notebooks import _images, kernel_name, run_notebook  # noqa: F401 (kernel_name: a fixture)
 
 pytestmark = pytest.mark.integration
 
@@ -94,3 +95,19 @@ def test_curve_on_the_finished_run(finished_run, finished_curve):
     md = (out / "curve.md").read_text()
     assert r["sentence"] in md and "| 0.25 |" in md
     assert (out / "curve.png").stat().st_size > 1000
+
+
+def test_03_results(tmp_path, kernel_name, finished_run, finished_curve):
+    run, summary = finished_run
+    nb, text, seconds = run_notebook("03_results.py", tmp_path, kernel_name,
+                                     EAGLE_RAY_NB_RUN=str(run))
+    report = json.loads((run / "evaluate" / "report.json").read_text())
+    assert f"online mean acceptance length {report['online']['mean_acceptance_length']:.3f}" in text
+    assert f"n-gram {report['ngram']['mean_acceptance_length']:.3f}" in text
+    assert f"speedup of the trained drafter: {report['speedup_vs_baseline']['online']:.2f}x" in text
+    assert "check ok: True" in text
+    assert f"recipe {summary['recipe']['name']}, status finished" in text
+    assert "# Drafter evaluation" in text  # report.md
+    assert finished_curve[1]["sentence"] in text  # the data curve
+    assert _images(nb) >= 3  # training curves, acceptance per position, data curve
+    assert seconds < 300

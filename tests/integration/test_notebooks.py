@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.integration
+# Notebook 03 (results) reads the session's finished run: its test lives in
+# test_kimi_pipeline.py, the file that builds that run (CI runs files side by side, one
+# worker each, so a run shared by two files would be built twice).
 
 REPO = Path(__file__).resolve().parents[2]
 NB_DIR = REPO / "notebooks"
@@ -177,19 +180,3 @@ def test_02_operate_a_running_job(tmp_path, kernel_name, tiny_target_dir):
     ids = read_index(store).column("sample_id").to_pylist()
     assert ids and len(ids) == len(set(ids)) and not verify_store(store)["problems"]
     print(f"02: {len(ids)} samples committed before the stop")
-
-
-def test_03_results(tmp_path, kernel_name, finished_run, finished_curve):
-    run, summary = finished_run
-    nb, text, seconds = run_notebook("03_results.py", tmp_path, kernel_name,
-                                     EAGLE_RAY_NB_RUN=str(run))
-    report = json.loads((run / "evaluate" / "report.json").read_text())
-    assert f"online mean acceptance length {report['online']['mean_acceptance_length']:.3f}" in text
-    assert f"n-gram {report['ngram']['mean_acceptance_length']:.3f}" in text
-    assert f"speedup of the trained drafter: {report['speedup_vs_baseline']['online']:.2f}x" in text
-    assert "check ok: True" in text
-    assert f"recipe {summary['recipe']['name']}, status finished" in text
-    assert "# Drafter evaluation" in text  # report.md
-    assert finished_curve[1]["sentence"] in text  # the data curve
-    assert _images(nb) >= 3  # training curves, acceptance per position, data curve
-    assert seconds < 300
