@@ -85,29 +85,23 @@ def offline_acceptance(run_info: dict, drafter_state: dict | None, k: int,
         for j in range(k):
             run = run & out.correct[j]  # correct implies valid
             hits.append(run.sum(-1))
-        rates = None
-        if served:
-            rates = ([], [])
+        chains = None
+        if served:  # per drafting method: expected accepted drafts per position, per sample [k, B]
+            rates = torch.zeros(2, k, *out.valid[0].shape)  # (greedy, probabilistic) drafting
             for j in range(k):
-                rows = model._shift(batch["final"], 1 + j)[out.valid[j]]        # target row t+1+j
-                g, p = served_step_rates(rows, out.logits[j].detach()[out.valid[j]],
-                                         model.target_lm_head_weight, model.draft_ids, sampling)
-                for dst, vals in zip(rates, (g, p)):
-                    full = torch.zeros(out.valid[j].shape)
-                    full[out.valid[j]] = vals
-                    dst.append(full)
+                v = out.valid[j]
+                rows = model._shift(batch["final"], 1 + j)[v]                       # target row t+1+j
+                g, p = served_step_rates(rows, out.logits[j].detach()[v], model.target_lm_head_weight,
+                                         model.draft_ids, sampling)
+                rates[0, j][v], rates[1, j][v] = g, p
+            chains = (rates.cumprod(1) * out.valid[0].float()).sum(-1)             # [2, k, B]
         for b, sid in enumerate(chunk):
             src = source_of.get(sid, "?")
             n = int(out.valid[0][b].sum())
             greedy.add(src, n, [float(h[b]) for h in hits])
-            if rates:
-                for tally, alphas in zip((as_greedy, as_prob), rates):
-                    chain = torch.ones(alphas[0].shape[1])
-                    acc = []
-                    for j in range(k):
-                        chain = chain * alphas[j][b]
-                        acc.append(float((chain * out.valid[0][b]).sum()))
-                    tally.add(src, n, acc)
+            if chains is not None:
+                for tally, c in zip((as_greedy, as_prob), chains):
+                    tally.add(src, n, c[:, b].tolist())
     res = greedy.result() | {"samples": len(ids), "k": k}
     if served:
         res["as_served"] = {"sampling": dict(sampling), "greedy_drafting": as_greedy.result(),

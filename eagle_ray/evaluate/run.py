@@ -123,7 +123,7 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
                                    - runs["online"]["mean_acceptance_length"]) if offline else None),
         "serving_profile": profile, "as_served": as_served,
         "headline": _headline(runs, as_served),
-        "device": _device(ekw),
+        "device": _device(),
         "provenance": provenance(),
     }
     atomic_write_json(out / "report.json", report)
@@ -156,7 +156,7 @@ def _check_baseline_drafter(path: Path, model_dir: Path) -> Path:
     return path
 
 
-def _device(ekw: dict) -> str:
+def _device() -> str:
     import torch
 
     return (f"GPU ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available()

@@ -26,6 +26,7 @@ import fcntl
 import json
 import logging
 import os
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -134,7 +135,7 @@ def compact(root: str | Path, *, everything: bool = False, blocking: bool = True
             tables.append(pq.read_table(p, schema=INDEX_SCHEMA))
         table = pa.concat_tables(tables) if tables else INDEX_SCHEMA.empty_table()
         # Names sort by creation: a time prefix keeps "oldest first" true for readers.
-        name = f"compact-{time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet"
+        name = f"compact-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet"
         tmp = d / f".{name}.tmp"
         schema = INDEX_SCHEMA.with_metadata({REPLACES_KEY: json.dumps(sorted(set(replaces))).encode()})
         try:
@@ -150,9 +151,3 @@ def compact(root: str | Path, *, everything: bool = False, blocking: bool = True
         finish_compactions(root)
     logger.info("%s: compacted %d index file(s), %d rows -> %s", root, len(inputs), table.num_rows, name)
     return {"merged": len(inputs), "rows": table.num_rows}
-
-
-def time_ns() -> int:
-    import time
-
-    return time.time_ns()
