@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -450,17 +449,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def kept_after_stop(args) -> str:
+    """What a stopped command leaves committed, and how to go on."""
+    again = "re-run the same command to resume"
+    out = Path(getattr(args, "out", None) or ".")
+    try:
+        if args.command in ("extract", "generate-extract"):
+            from eagle_ray.store.reader import committed_ids
+
+            n = len(committed_ids(out)) if (out / "manifest.json").exists() else 0
+            return f"{n:,} samples committed in {out} are kept; {again}"
+        if args.command == "generate":
+            from eagle_ray.generate.run import PARTS_DIR, _done_ids
+
+            n = len(_done_ids(out / PARTS_DIR)) if (out / PARTS_DIR).exists() else 0
+            return f"{n:,} prompts generated in {out} are kept; {again}"
+        if args.command == "train":
+            from eagle_ray.train.checkpoint import newest_loadable
+
+            ckpt = newest_loadable(out)
+            return (f"checkpoint {ckpt.name} in {out} is intact; {again}" if ckpt else
+                    f"no checkpoint was written yet; {again} (it starts over)")
+    except Exception as e:  # reporting must not hide the stop
+        return f"could not count what was kept ({e}); {again}"
+    return again
+
+
+# Commands whose --out is a run output directory: their logs go to OUT/logs.
+LOGGED_COMMANDS = {"generate", "extract", "generate-extract", "train", "evaluate", "curve"}
+
+
 def main(argv: list[str] | None = None) -> int:
     from eagle_ray.common.errors import TracebackFilter, one_line, user_fault
 
+    from eagle_ray.common import logs, signals
+
+    signals.install()  # SIGTERM / Ctrl-C: one line with what is kept (kept_after_stop)
     args = build_parser().parse_args(argv)
+    args.verbose = args.verbose or logs.verbose()  # -v or EAGLE_RAY_LOG_LEVEL=DEBUG
     streams = sys.stdout, sys.stderr
     if not args.verbose:  # stack traces (ours, and those Ray forwards from workers) behind -v
         sys.stdout, sys.stderr = TracebackFilter(sys.stdout), TracebackFilter(sys.stderr)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Quiet console, the run's log file under --out for the commands that run Ray / vLLM.
+    logs.setup(args.out if args.command in LOGGED_COMMANDS else None, verbose_flag=args.verbose)
     try:
         return args.fn(args)
+    except signals.Stopped as s:
+        print(f"eagle-ray {args.command}: stopped by {s}; {kept_after_stop(args)}", file=sys.stderr)
+        return s.exit_code
     except Exception as e:
         # Bad stores, manifests, checkpoints, paths, full disks (also inside Ray's wrappers):
         # one line naming the file and the way out; the stack trace only with -v.

@@ -1,12 +1,15 @@
 """End-to-end job: `ray job submit --working-dir . -- python -m jobs.end_to_end [--recipe R] [--data F ...]`.
 
-Thin entrypoint: parse arguments, build the recipe, call eagle_ray.job.pipeline.
+Thin entrypoint: parse arguments, set up logging (console quiet, OUT/logs/ everything; -v
+for all of it on the console), build the recipe, call eagle_ray.job.pipeline. A fault the
+user can fix ends the job in one line naming it (its traceback with -v); a bug keeps its
+traceback.
 """
 
 import argparse
-import logging
 import sys
 
+from eagle_ray.common import logs
 from eagle_ray.recipes import load_recipe
 from eagle_ray.job.pipeline import SAMPLE_DATA, run_end_to_end
 
@@ -15,7 +18,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="tiny_cpu")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
-    p.add_argument("--data", action="append", metavar="PATH[:COUNT_OR_FRACTION]",
+    p.add_argument("--data", action="append", metavar="PATH[:COUNT_OR_FRACTION][::LABEL]",
                    help="conversation logs to mix (default: the bundled sample data set)")
     p.add_argument("--out", default="out/run")
     p.add_argument("--online", action="store_true",
@@ -23,16 +26,43 @@ def main(argv=None) -> int:
     p.add_argument("--init-from", metavar="DRAFTER_DIR",
                    help="fine-tune a published EAGLE-3 drafter (vLLM/SpecForge or speculators "
                         "layout) instead of training from scratch (= --set train.init_from=DIR)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="everything on the console: vLLM, Ray Data and Ray Train INFO, tracebacks")
     args = p.parse_args(argv)
     if args.init_from:
         args.set.append(f"train.init_from={args.init_from}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from eagle_ray.common import signals
+    from eagle_ray.common.errors import TracebackFilter, one_line, user_fault
+
+    signals.install()  # `ray job stop` sends SIGTERM: one line, not an abort
+
+    args.verbose = args.verbose or logs.verbose()
+    streams = sys.stdout, sys.stderr
+    if not args.verbose:  # tracebacks Ray forwards from workers of a failing step: -v
+        sys.stdout, sys.stderr = TracebackFilter(sys.stdout), TracebackFilter(sys.stderr)
+    logs.setup(args.out, verbose_flag=args.verbose)
     try:
         run_end_to_end(load_recipe(args.recipe, args.set), args.data or SAMPLE_DATA, args.out,
                        online=args.online)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"end_to_end: error: {e}", file=sys.stderr)
+    except signals.Stopped as s:
+        print(f"end_to_end: stopped by {s}; every finished step and every committed sample in "
+              f"{args.out} is kept; submit the same job (same --out) again to resume", file=sys.stderr)
+        return s.exit_code
+    except Exception as e:
+        fault = user_fault(e)
+        if fault is None:
+            sys.stdout.flush()
+            sys.stdout, sys.stderr = streams
+            raise  # a bug: keep the traceback
+        if args.verbose:
+            import traceback
+
+            traceback.print_exception(e)
+        print(f"end_to_end: error: {one_line(fault)}", file=sys.stderr)
         return 2
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
     return 0
 
 

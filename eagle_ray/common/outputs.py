@@ -80,7 +80,8 @@ def check_output_dir(path: str | Path, command: str, *, only: Iterable[str] | No
                              "directory")
     if not p.exists():
         return p
-    entries = sorted(x.name for x in p.iterdir())
+    # The run's logs (OUT/logs, eagle_ray/common/logs.py) are anyone's.
+    entries = sorted(x.name for x in p.iterdir() if x.name != "logs")
     if not entries:
         return p
     who = owner(p)

@@ -25,6 +25,7 @@ from typing import Any, BinaryIO, Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eagle_ray.common.logs import display_path
 from eagle_ray.data.formats import _Reject, _canon_encode, _parse, _tname, canonical_json
 from eagle_ray.data.mix import SourceSpec, _check_sources, _selection, _shuffle_mix
 from eagle_ray.data.validate import (
@@ -213,7 +214,8 @@ class _Ingestor:
 
     def read_source(self, si: int, size: int, rejects: _AtomicFile, dups: _AtomicFile) -> None:
         spec = self.sources[si]
-        path, name = spec.path, spec.name  # the user's path (messages), its label (rows)
+        path, name = spec.path, spec.name  # the file, its label (rows)
+        shown = display_path(path)  # the user's path (messages), not a Ray job's copy
         counts = self.per_source[name]
         fmts = self.formats[name]
         limit = self.max_line_bytes + 1
@@ -230,7 +232,7 @@ class _Ingestor:
         offset = 0
         every = PROGRESS_EVERY
         if size == 0:
-            self._say(f"source {path} is empty (0 bytes)", warn=True)
+            self._say(f"source {shown} is empty (0 bytes)", warn=True)
         with open(path, "rb", buffering=1 << 20) as f:
             readline = f.readline
             while True:
@@ -246,7 +248,7 @@ class _Ingestor:
                     dt = max(time.monotonic() - self.t0, 1e-9)
                     self._say(
                         f"{self.lines_total:,} lines read ({self.lines_total / dt:,.0f} lines/s), "
-                        f"now {path} line {lineno:,}"
+                        f"now {shown} line {lineno:,}"
                     )
                 if len(chunk) == limit and chunk[-1] != 10:
                     # Either over the limit, or exactly at it with a "\r\n" split by the limit.
@@ -330,15 +332,15 @@ class _Ingestor:
         counts["lines_read"] = lineno
         self.ranges.append((start_idx, len(a_hash)))
         if offset != size:
-            self._say(f"source {path} changed while being read ({size} bytes at start, {offset} read)",
+            self._say(f"source {shown} changed while being read ({size} bytes at start, {offset} read)",
                       warn=True)
         self.file_info.append({"size_bytes": offset, "sha256": hasher.hexdigest()})
         n_ok = len(a_hash) - start_idx
         if lineno and n_ok == 0 and counts["duplicates"] == 0:
-            self._say(f"source {path}: none of its {lineno} lines was accepted; see {REJECTS_FILE}",
+            self._say(f"source {shown}: none of its {lineno} lines was accepted; see {REJECTS_FILE}",
                       warn=True)
         self._say(
-            f"{path}: {lineno} lines, {n_ok} new samples, {counts['duplicates']} duplicates, "
+            f"{shown}: {lineno} lines, {n_ok} new samples, {counts['duplicates']} duplicates, "
             f"{counts['rejected']} rejected"
         )
 
@@ -501,7 +503,7 @@ def ingest(
             "sources": [
                 {
                     "label": s.name,
-                    "path": s.path,
+                    "path": display_path(s.path),
                     "count": s.count,
                     "fraction": s.fraction,
                     **ing.file_info[i],

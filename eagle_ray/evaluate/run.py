@@ -93,9 +93,15 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
     if sampled:
         specs["online_probabilistic"] = {**specs["online"], "draft_sample_method": "probabilistic"}
     runs: dict[str, Any] = {}
+    import time
+
+    from eagle_ray.common.progress import hms
+
+    t_runs = time.monotonic()
     for i, (name, spec) in enumerate(specs.items()):
-        logger.info("evaluate: online run %d of %d, %s (%d prompts, greedy%s)", i + 1, len(specs),
-                    name, len(held_out), f" + {seeds} seed(s) as served" if sampled else "")
+        eta = (f", ETA {hms((time.monotonic() - t_runs) / i * (len(specs) - i))}" if i else "")
+        logger.info("evaluate: online run %d of %d, %s (%d prompts, greedy%s)%s", i + 1, len(specs),
+                    name, len(held_out), f" + {seeds} seed(s) as served" if sampled else "", eta)
         runs[name] = online_run_isolated(ekw, held_out, max_tokens, spec, sampled, sources)
     base = runs["baseline"]["outputs"]
     greedy_names = [n for n in runs if n not in ("baseline", "online_probabilistic")]

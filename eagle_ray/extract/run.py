@@ -164,15 +164,19 @@ def _extract_into(recipe: Recipe, table, store: Path, model_dir: Path, manifest:
         todo = todo.select(list(INPUT_COLUMNS))
         blocks = [todo.slice(i, e.batch_size) for i in range(0, todo.num_rows, e.batch_size)]
         ds = extraction_dataset(recipe, ray.data.from_arrow(blocks), store, model_dir, manifest)
-        last = t_start = time.time()
+        from eagle_ray.common.progress import Progress
+        from eagle_ray.plan.budget import store_bytes_per_token
+
+        per_tok = store_bytes_per_token(recipe.target, recipe.storage.dtype)
+        prog = Progress("extract", table.num_rows, start=skipped,
+                        interval_s=recipe.generate.progress_interval_s, logger=logger)
         for rows in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             extracted += rows.num_rows
-            tokens += pc.sum(rows.column("num_tokens")).as_py() or 0
+            tok = pc.sum(rows.column("num_tokens")).as_py() or 0
+            tokens += tok
             record_committed(rows, manifest)
-            if time.time() - last >= recipe.generate.progress_interval_s:
-                last = time.time()
-                logger.info("extract: %d/%d samples, %.0f tokens/s", skipped + extracted,
-                            table.num_rows, tokens / max(1e-9, time.time() - t_start))
+            prog.update(rows.num_rows, tokens=tok, bytes=tok * per_tok)
+        prog.close()
     logger.info("extract: %d samples, %d tokens this run in %.1fs -> %s", extracted, tokens,
                 time.time() - t0, store)
     return ExtractResult(store=store, samples_total=table.num_rows, skipped_done=skipped,

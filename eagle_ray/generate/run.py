@@ -13,6 +13,7 @@ that returns the Ray Dataset for chaining into extraction without a disk round t
 from __future__ import annotations
 
 import json
+import os
 import logging
 import time
 import uuid
@@ -102,13 +103,37 @@ def generation_dataset(recipe: Recipe, prompts: pa.Table, model_dir: Path):
                                         max_concurrency=g.batches_in_flight))
 
 
+DAMAGED_DIR = "damaged"  # parts/damaged/: parts that no longer read, kept for inspection
+
+
+def readable_parts(parts_dir: Path) -> list[Path]:
+    """The parts in parts_dir, after moving any that no longer read (truncated or overwritten
+    on disk: parts are written atomically, so only damage makes one) to parts/damaged/, with a
+    warning: their prompts are simply not done, and this run generates them again."""
+    parts = sorted(parts_dir.glob("part-*.parquet"))
+    good = []
+    for f in parts:
+        try:
+            pq.read_metadata(f)
+            pq.read_table(f, columns=["sample_id"])
+        except (OSError, pa.ArrowException) as e:
+            dest = parts_dir / DAMAGED_DIR / f.name
+            dest.parent.mkdir(exist_ok=True)
+            os.replace(f, dest)
+            logger.warning("generate: %s does not read (%s); moved to %s, its prompts are "
+                           "generated again", f, str(e).splitlines()[0][:120], dest)
+            continue
+        good.append(f)
+    return good
+
+
 def _done_ids(parts_dir: Path) -> set[str]:
     """Ids of the PROMPTS done in parts_dir: all completions of a prompt are written in one
     part (one batch), so a prompt is done when any of its rows is there."""
     from eagle_ray.data.ids import prompt_id
 
     done: set[str] = set()
-    for f in sorted(parts_dir.glob("part-*.parquet")):
+    for f in readable_parts(parts_dir):
         done.update(map(prompt_id, pq.read_table(f, columns=["sample_id"]).column("sample_id").to_pylist()))
     return done
 
@@ -156,8 +181,10 @@ def run_generate(recipe: Recipe, prompts: str | Path, out_dir: str | Path, *,
 
         start_control()  # `eagle-ray scale` resizes this run's pools while it runs
         ds = generation_dataset(recipe, todo, model_dir)
-        last = time.time()
-        t_gen = time.time()
+        from eagle_ray.common.progress import Progress
+
+        prog = Progress("generate", table.num_rows, unit="prompts", start=skipped,
+                        interval_s=recipe.generate.progress_interval_s, logger=logger)
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             if batch.num_rows == 0:
                 continue
@@ -166,12 +193,10 @@ def run_generate(recipe: Recipe, prompts: str | Path, out_dir: str | Path, *,
             ok = pc.equal(batch.column("status"), "ok")
             n_ok += pc.sum(ok).as_py() or 0
             n_rej += batch.num_rows - (pc.sum(ok).as_py() or 0)
-            n_tok += pc.sum(batch.column("num_completion_tokens")).as_py() or 0
-            if time.time() - last >= recipe.generate.progress_interval_s:
-                last = time.time()
-                logger.info("generate: %d/%d prompts done (%d rejected), %.1f completion tokens/s",
-                            skipped + n_ok + n_rej, table.num_rows, n_rej,
-                            n_tok / max(1e-9, time.time() - t_gen))
+            tok = pc.sum(batch.column("num_completion_tokens")).as_py() or 0
+            n_tok += tok
+            prog.update(batch.num_rows, tokens=tok, extra=f"{n_rej:,} rejected")
+        prog.close()
     logger.info("generate: this run generated %d, rejected %d, %d completion tokens in %.1fs",
                 n_ok, n_rej, n_tok, time.time() - t0)
     counts = consolidate(out, table, params)
@@ -185,7 +210,7 @@ def consolidate(out: Path, prompts: pa.Table, params: dict) -> dict[str, int]:
     manifest.json; atomic."""
     from eagle_ray.data.ids import completion_index, prompt_id
 
-    parts = sorted((out / PARTS_DIR).glob("part-*.parquet"))
+    parts = readable_parts(out / PARTS_DIR)
     all_rows = (pa.concat_tables([pq.read_table(f, schema=CONVERSATIONS_SCHEMA) for f in parts])
                 if parts else CONVERSATIONS_SCHEMA.empty_table())
     ids = all_rows.column("sample_id").to_pylist()

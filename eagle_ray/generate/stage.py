@@ -244,6 +244,39 @@ def _drop_duplicate_completions(rows: list[dict[str, Any]]) -> None:
             seen[key] = r["sample_id"]
 
 
+def _stop_output_handler(engine, timeout_s: float = 10.0) -> None:
+    """End AsyncLLM's output handler before its engine core goes away.
+
+    `AsyncLLM.shutdown()` (vLLM 0.32) stops the engine core first and cancels the handler
+    after; the handler, still awaiting the core's next output, sees the closed sockets as a
+    dead engine and logs `AsyncLLM output_handler failed ... EngineDeadError` with a traceback
+    in every successful run. Cancelled first, on its own event loop (Ray Data runs an async
+    UDF's loop in a thread of its own; this runs on the actor's exit thread), it ends quietly."""
+    import contextlib
+
+    task = getattr(engine, "output_handler", None)
+    if task is None or task.done():
+        return
+    loop = task.get_loop()
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if here is loop or loop.is_closed() or not loop.is_running():
+        task.cancel()  # raised into the handler at its next await, before any engine error
+        return
+
+    async def stop() -> None:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+
+    try:
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout_s)
+    except Exception as e:  # a loop that stopped meanwhile: shutdown proceeds regardless
+        logger.debug("output handler stop: %r", e)
+
+
 def _close_if_alive(ref) -> None:
     udf = ref()
     if udf is not None:
@@ -303,6 +336,7 @@ class GenerateUDF(_Regenerate):
         engine = self.__dict__.pop("engine", None)
         if engine is not None:
             try:
+                _stop_output_handler(engine)
                 engine.shutdown()  # the engine-core process
             except Exception as e:  # at interpreter exit vLLM's modules may be half torn down
                 logger.debug("engine shutdown: %r", e)

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle_ray.common.logs import SUBMITTED_FROM_ENV
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).parent / "ray")
 # What the job does not need from the working tree (the venv alone is GBs).
@@ -151,7 +153,9 @@ def submit(entrypoint: list[str], address: str | None, submission_id: str,
     p = ray_job(["submit", "--no-wait", "--submission-id", submission_id,
                  "--metadata-json", json.dumps(job_metadata(entrypoint)),
                  "--working-dir", str(REPO_ROOT),
-                 "--runtime-env-json", json.dumps(runtime_env(env_vars)), "--", *entrypoint],
+                 "--runtime-env-json",
+                 json.dumps(runtime_env({SUBMITTED_FROM_ENV: str(REPO_ROOT), **(env_vars or {})})),
+                 "--", *entrypoint],
                 address, capture_output=True, text=True, timeout=300)
     if p.returncode != 0:
         raise RuntimeError(f"`ray job submit` failed ({p.returncode}): {p.stdout[-2000:]}{p.stderr[-2000:]}")

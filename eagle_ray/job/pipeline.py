@@ -230,6 +230,32 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path, *,
                                                    "baseline_drafter", "outputs_identical", "as_served")},
                "timings_s": timings}
     atomic_write_json(out / SUMMARY_FILE, json.loads(json.dumps(summary, default=str)))
-    print("\n" + (out / "evaluate" / "report.md").read_text())
-    print(f"summary: {out / SUMMARY_FILE} (steps run this time: {', '.join(ran) or 'none'})")
+    print(summary_text(out, timings, ran))
     return summary
+
+
+def summary_text(out: Path, timings: dict[str, float], ran: list[str]) -> str:
+    """The job's last lines: wall time per step, the headline, where every output is."""
+    from eagle_ray.common.progress import hms
+
+    steps = [("ingest", "ingest"), ("generate+extract", "generate_extract"), ("train", "train"),
+             ("export+check+evaluate", "export_check_evaluate")]
+    ev = _json(out / "evaluate" / "report.json") or {}
+    lines = ["", "summary",
+             "  wall time: " + ", ".join(f"{name} {hms(timings[k])}" for name, k in steps if k in timings)
+             + f" (steps run this time: {', '.join(ran) or 'none'})"]
+    if ev.get("headline"):
+        lines.append(f"  headline: {_headline_text(ev)}")
+    outputs = [("ingested prompts", out / "ingest"), ("conversations", out / "generate"),
+               ("hidden-state store", out / "store"), ("training run", out / "train"),
+               ("drafter (vLLM loads it; serving.json: the serve command)", out / "drafter"),
+               ("evaluation", out / "evaluate" / "report.md"), ("logs (everything)", out / "logs"),
+               ("summary", out / SUMMARY_FILE)]
+    lines += [f"  {what}: {where}" for what, where in outputs if where.exists()]
+    return "\n".join(lines)
+
+
+def _headline_text(ev: dict) -> str:
+    h = ev["headline"]
+    return (f"expected speedup {h['setting']} {h['speedup']:.2f}x with {h['draft_sample_method']} "
+            f"drafting, mean acceptance length {h['mean_acceptance_length']:.2f}")

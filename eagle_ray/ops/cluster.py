@@ -14,6 +14,8 @@ import logging
 import os
 import socket
 
+from eagle_ray.common import logs
+
 logger = logging.getLogger(__name__)
 
 
@@ -76,4 +78,28 @@ def init_ray(address: str | None = None, **kwargs) -> None:
         timeout_s = float(os.environ.get("EAGLE_RAY_CONNECT_TIMEOUT_S", "10"))
         check_reachable(resolved, source, timeout_s)
         logger.info("connecting to Ray at %s (from %s)", resolved, source)
+    kwargs.setdefault("logging_level", logs.ray_logging_level())
+    kwargs["runtime_env"] = _with_logging(kwargs.get("runtime_env"))
     ray.init(address=resolved if resolved is not None else address, **kwargs)
+    from eagle_ray.common import signals
+
+    if os.environ.get(signals.INSTALLED_ENV) == str(os.getpid()):
+        signals.install()  # again: Ray's core worker replaced our SIGTERM handler with an abort
+
+
+def _with_logging(runtime_env: dict | None) -> dict:
+    """The run's logging settings for every worker (eagle_ray/common/logs.py): its env vars
+    and Ray's worker_process_setup_hook, except what the job's own runtime env already sets
+    (Ray refuses a driver runtime env that repeats a key of the job's)."""
+    import json
+
+    env = dict((runtime_env or {}).get("env_vars", {}))
+    job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}").get("runtime_env") or {}
+    taken = set((job.get("env_vars") or {}))
+    env.update({k: v for k, v in logs.worker_env().items() if k not in taken and k not in env})
+    out = dict(runtime_env or {})
+    if env:
+        out["env_vars"] = env
+    if "worker_process_setup_hook" not in job and "worker_process_setup_hook" not in out:
+        out["worker_process_setup_hook"] = "eagle_ray.common.logs.setup_worker"
+    return out

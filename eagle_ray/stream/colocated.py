@@ -76,8 +76,10 @@ def colocated_input(prompts: pa.Table | None, generated: pa.Table | None) -> pa.
 class ColocatedUDF(_Regenerate):
     """Ray Data actor: one capture engine that generates too, a parts writer, a store writer."""
 
-    def __init__(self, recipe, model_path: str, parts_dir: str, store_dir: str, manifest):
+    def __init__(self, recipe, model_path: str, parts_dir: str, store_dir: str, manifest,
+                 skip: frozenset = frozenset()):
         super().__init__(recipe, model_path)
+        self.skip = skip
         from eagle_ray.extract.stage import ExtractUDF, make_backend
 
         if recipe.extract.backend != "vllm":
@@ -115,7 +117,7 @@ class ColocatedUDF(_Regenerate):
         generated = batch.filter(pc.invert(fresh)).select(list(EXTRACT_COLUMNS))
         if prompts.num_rows:
             # The record first (atomic part); only its ok rows go on to capture.
-            ok = write_part(self._generate(prompts), self.parts_dir)
+            ok = write_part(self._generate(prompts), self.parts_dir, self.skip)
             generated = pa.concat_tables([generated, ok.cast(generated.schema)])
         if not generated.num_rows:
             return INDEX_SCHEMA.empty_table()
@@ -123,7 +125,7 @@ class ColocatedUDF(_Regenerate):
 
 
 def colocated_dataset(recipe, table: pa.Table, parts_dir: Path, store_dir: Path,
-                      model_dir: Path, manifest):
+                      model_dir: Path, manifest, skip: frozenset = frozenset()):
     """A lazy Ray Dataset of committed index rows: one pool of colocated replicas, with the
     generation pool's bounds and resources (the replica is the target's one placement)."""
     import ray
@@ -136,7 +138,7 @@ def colocated_dataset(recipe, table: pa.Table, parts_dir: Path, store_dir: Path,
     check_gpus_available(recipe, g.gpus_per_replica)
     return ds.map_batches(
         ColocatedUDF, fn_constructor_args=(recipe, str(model_dir), str(parts_dir),
-                                           str(store_dir), manifest),
+                                           str(store_dir), manifest, skip),
         **pool_kwargs(recipe, min_size=g.min_replicas, max_size=g.max_replicas,
                       gpus_per_replica=g.gpus_per_replica, batch_size=g.batch_size,
                       num_cpus=recipe.engine.num_cpus_per_replica, max_concurrency=1))

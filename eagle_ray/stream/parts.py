@@ -15,9 +15,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 
-def write_part(batch: pa.Table, parts_dir: str) -> pa.Table:
+def write_part(batch: pa.Table, parts_dir: str, skip: frozenset | None = None) -> pa.Table:
     """Ray Data task: write one generated batch as a part (atomic); return its ok rows,
-    reduced to the columns extraction reads."""
+    reduced to the columns extraction reads, less `skip` (samples already in the store whose
+    part was lost: generated again for the record, not extracted twice)."""
     from eagle_ray.extract.stage import INPUT_COLUMNS
     from eagle_ray.generate.stage import CONVERSATIONS_SCHEMA
     from eagle_ray.common.provenance import atomic_write_parquet
@@ -26,4 +27,7 @@ def write_part(batch: pa.Table, parts_dir: str) -> pa.Table:
         return batch.select(list(INPUT_COLUMNS))
     batch = batch.cast(CONVERSATIONS_SCHEMA)
     atomic_write_parquet(Path(parts_dir) / f"part-{time.time_ns()}-{uuid.uuid4().hex[:8]}.parquet", batch)
-    return batch.filter(pc.equal(batch.column("status"), "ok")).select(list(INPUT_COLUMNS))
+    ok = pc.equal(batch.column("status"), "ok")
+    if skip:
+        ok = pc.and_(ok, pc.invert(pc.is_in(batch.column("sample_id"), pa.array(sorted(skip), pa.string()))))
+    return batch.filter(ok).select(list(INPUT_COLUMNS))

@@ -110,6 +110,11 @@ def _stream(recipe: Recipe, table: pa.Table, parts_dir: Path, store: Path, model
     leftover = (_not_in(old.filter(pc.equal(old.column("status"), "ok")), committed)
                 .select(list(INPUT_COLUMNS)) if old is not None else None)
     n_left = leftover.num_rows if leftover is not None else 0
+    # Committed samples whose generation part was lost (damaged, moved aside by _done_ids):
+    # their prompts are generated again for the record, and not extracted a second time.
+    from eagle_ray.data.ids import prompt_id
+
+    skip = frozenset(s for s in committed if prompt_id(s) not in generated)
     logger.info("generate+extract: %d prompts; %d to generate, %d generated but not committed, "
                 "%d committed already", table.num_rows, todo.num_rows, n_left, len(committed))
     if todo.num_rows == 0 and n_left == 0:
@@ -129,12 +134,13 @@ def _stream(recipe: Recipe, table: pa.Table, parts_dir: Path, store: Path, model
 
         # Rows already generated first: they only need the capture.
         ds = colocated_dataset(recipe, colocated_input(todo, leftover), parts_dir, store,
-                               model_dir, manifest)
+                               model_dir, manifest, skip=skip)
     else:
         streams = []
         if todo.num_rows:
             g = generation_dataset(recipe, todo, model_dir)
-            streams.append(g.map_batches(write_part, fn_kwargs={"parts_dir": str(parts_dir)},
+            streams.append(g.map_batches(write_part, fn_kwargs={"parts_dir": str(parts_dir),
+                                                                "skip": skip},
                                          batch_size=None, batch_format="pyarrow", num_cpus=0.1))
         if n_left:
             e = recipe.extract.batch_size
@@ -143,14 +149,18 @@ def _stream(recipe: Recipe, table: pa.Table, parts_dir: Path, store: Path, model
         ds = streams[0] if len(streams) == 1 else streams[0].union(streams[1])
         ds = extraction_dataset(recipe, ds, store, model_dir, manifest)
     n_ext = n_tok = 0
-    last = t_start = time.time()
+    from eagle_ray.common.progress import Progress
+    from eagle_ray.plan.budget import store_bytes_per_token
+
+    per_tok = store_bytes_per_token(recipe.target, recipe.storage.dtype)
+    prog = Progress("generate+extract", table.num_rows, start=len(committed),
+                    interval_s=recipe.generate.progress_interval_s, logger=logger)
     for rows in ds.iter_batches(batch_format="pyarrow", batch_size=None):
         n_ext += rows.num_rows
-        n_tok += pc.sum(rows.column("num_tokens")).as_py() or 0
+        tok = pc.sum(rows.column("num_tokens")).as_py() or 0
+        n_tok += tok
         record_committed(rows, manifest)
-        if time.time() - last >= recipe.generate.progress_interval_s:
-            last = time.time()
-            logger.info("generate+extract: %d/%d samples committed, %.0f tokens/s",
-                        len(committed) + n_ext, table.num_rows, n_tok / max(1e-9, time.time() - t_start))
+        prog.update(rows.num_rows, tokens=tok, bytes=tok * per_tok)
+    prog.close()
     n_gen = len(_done_ids(parts_dir)) - len(generated)
     return n_gen, n_ext, n_tok

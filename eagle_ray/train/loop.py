@@ -55,11 +55,45 @@ def _save_checkpoint(run_dir: Path, step: int, model, opt, sched, state: dict, r
     final = run_dir / "checkpoints" / f"step-{step:07d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
-    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, tmp / "optim.pt")
-    os.replace(rng_dir, tmp / "rng")
-    return commit_checkpoint(tmp, final, state)  # fsync files + dir, hashes, rename
+    try:
+        tmp.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
+        torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, tmp / "optim.pt")
+        os.replace(rng_dir, tmp / "rng")
+        return commit_checkpoint(tmp, final, state)  # fsync files + dir, hashes, rename
+    except Exception as e:
+        if not disk_full(final.parent, e):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # the half-written checkpoint, never loaded
+        raise _disk_full_error(run_dir, final.name) from e
+
+
+def _disk_full_error(run_dir: Path, name: str):
+    from eagle_ray.train.checkpoint import CheckpointError, newest_loadable
+
+    prev = newest_loadable(run_dir)
+    return CheckpointError(
+        f"disk full at {run_dir / 'checkpoints'} while writing checkpoint {name}; "
+        + (f"{prev.name} is intact" if prev else "no earlier checkpoint was written")
+        + "; free space and re-run to resume")
+
+
+def disk_full(path: Path, e: BaseException, margin: int = 16 << 20) -> bool:
+    """Whether a failed write failed because the disk is full. torch.save's zip writer says
+    only "[enforce fail at inline_container.cc] unexpected pos N vs M" (no errno), so when
+    no ENOSPC/EDQUOT is in the exception chain, ask the filesystem."""
+    import errno
+
+    x, seen = e, set()
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        x = x.__cause__ or x.__context__
+    try:
+        return shutil.disk_usage(path).free < margin
+    except OSError:
+        return False
 
 
 def _distributed_rng_save(run_dir: Path, step: int, rank: int) -> None:
@@ -71,7 +105,12 @@ def _distributed_rng_save(run_dir: Path, step: int, rank: int) -> None:
     states = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
-    torch.save(states, d / f"rank{rank}.pt")
+    try:
+        torch.save(states, d / f"rank{rank}.pt")
+    except Exception as e:
+        if not disk_full(d, e):
+            raise
+        raise _disk_full_error(run_dir, f"step-{step:07d}") from e
 
 
 def _record_metrics(m: dict[str, float]) -> None:
@@ -101,6 +140,9 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     from eagle_ray.train.data import Prefetcher, RankBatches, make_batches
     from eagle_ray.targets.load import load_embed_and_lm_head
 
+    from eagle_ray.common import logs
+
+    logs.add_file_handler("train")  # Ray Train replaced the worker's root handlers with its own
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     run_dir = Path(cfg["run_dir"])
@@ -239,6 +281,7 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     model.train()
     tokens = 0
     t_start = time.perf_counter()
+    step_start = step  # a resumed run's ETA counts this run's steps only
     wait_total = 0.0
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if (use_gpu and t["bf16"]) else None
     while step < t["max_steps"]:
@@ -289,10 +332,15 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
                 if step % t["eval_interval"] == 0 or step == t["max_steps"]:
                     m_out.update(evaluate())
                 if rank == 0:
-                    logger.info("step %d/%d  loss %.4f  acc0 %.3f  %.0f tok/s  data wait %.1f%%%s",
-                                step, t["max_steps"], m_out["train/loss"], m_out["train/acc_step0"],
-                                m_out["train/tokens_per_s"], 100 * m_out["train/data_wait_frac"],
-                                f"  val acc0 {m_out['val/acc_step0']:.3f}" if "val/acc_step0" in m_out else "")
+                    from eagle_ray.common.progress import hms
+
+                    eta = elapsed / max(1, step - step_start) * (t["max_steps"] - step)
+                    logger.info("train: step %d/%d, loss %.4f, acc0 %.3f, %.0f tokens/s, data wait "
+                                "%.1f%%%s, ETA %s", step, t["max_steps"], m_out["train/loss"],
+                                m_out["train/acc_step0"], m_out["train/tokens_per_s"],
+                                100 * m_out["train/data_wait_frac"],
+                                f", val acc0 {m_out['val/acc_step0']:.3f}" if "val/acc_step0" in m_out else "",
+                                hms(eta))
                 log(m_out)
             if step % t["ckpt_interval"] == 0 or step == t["max_steps"]:
                 _checkpoint(run_dir, step, epoch, step_in_epoch, model, opt, sched, rank, world, dist,

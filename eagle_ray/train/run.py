@@ -289,6 +289,7 @@ def _fit(recipe: Recipe, run: Path, info: dict, data: dict) -> dict[str, Any]:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
+    from eagle_ray.common import logs
     from eagle_ray.common.errors import user_fault
     from eagle_ray.train.checkpoint import newest_loadable
     from eagle_ray.train.loop import train_loop_per_worker
@@ -324,7 +325,9 @@ def _fit(recipe: Recipe, run: Path, info: dict, data: dict) -> dict[str, Any]:
         scaling_config=ScalingConfig(num_workers=t.num_workers, use_gpu=use_gpu,
                                      resources_per_worker=resources),
         run_config=RunConfig(name="train", storage_path=str(run / "ray"),
-                             failure_config=FailureConfig(max_failures=0)))
+                             failure_config=FailureConfig(max_failures=0),
+                             # Ray Train's INFO (each report as a whole dict) to its files only
+                             logging_config=ray.LoggingConfig(log_level=logs.level())))
     try:
         trainer.fit()
     except Exception as e:  # a store/checkpoint/disk fault inside a worker: raise it as itself

@@ -30,6 +30,12 @@ ENGINE_ENV = {
 }
 
 
+def _verbose() -> bool:
+    from eagle_ray.common import logs
+
+    return logs.verbose()
+
+
 def engine_kwargs(recipe: Recipe, model_path: str) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM` from the recipe (every engine the pipeline builds:
     generation, extraction, check, evaluate). Plain JSON-able values only: evaluate passes
@@ -40,7 +46,9 @@ def engine_kwargs(recipe: Recipe, model_path: str) -> dict[str, Any]:
     kw: dict[str, Any] = dict(
         model=model_path, tokenizer=model_path, revision=t.revision, dtype=e.dtype,
         seed=e.seed, enforce_eager=e.enforce_eager, trust_remote_code=t.trust_remote_code,
-        tensor_parallel_size=t.tensor_parallel_size)
+        tensor_parallel_size=t.tensor_parallel_size,
+        # The checkpoint-loading progress bar per engine: in the run's log file, not the console.
+        use_tqdm_on_load=_verbose())
     if e.max_model_len is not None:
         kw["max_model_len"] = e.max_model_len
     if e.kv_cache_memory_bytes is not None:

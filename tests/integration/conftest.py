@@ -51,13 +51,16 @@ def finished_run(tmp_path_factory, ray_cluster):
     (run directory, summary). test_kimi_pipeline.py checks it; test_notebooks.py reads it
     with notebooks/03_results.py."""
     from eagle_ray.recipes import load_recipe
-    from eagle_ray.job.pipeline import SAMPLE_DATA, run_end_to_end
+    from eagle_ray.job.pipeline import run_end_to_end
 
     r = load_recipe("tiny_kimi_cpu", ["train.max_steps=150", "train.eval_interval=150",
                                       "train.ckpt_interval=150", "train.cpus_per_worker=1",
                                       "evaluate.seeds=1", "evaluate.prompts=24"])
     run = tmp_path_factory.mktemp("kimi_twin") / "run"
-    return run, run_end_to_end(r, SAMPLE_DATA, run)
+    from sample_data import small_sample_data
+
+    return run, run_end_to_end(r, small_sample_data(), run)
+
 
 
 @pytest.fixture(scope="session")

@@ -298,3 +298,98 @@ def test_stale_cluster_record_fails_fast(base, tmp_path):
     p = train(d / "store", tmp_path / "run", env)
     assert time.time() - t0 < 120
     assert "ray_current_cluster" in p.stderr and "stale cluster record" in p.stderr, p.stderr
+
+
+# --- faults a person can act on: one line naming the cause and the way out ---------------
+
+def test_full_disk_while_writing_a_checkpoint_is_one_line_and_resumes(base, tmp_path):
+    """The disk fills while rank 0 writes checkpoint step 2: torch.save's zip writer fails
+    with its own words and no errno (what a full disk does to it); the filesystem reports no
+    space. Injected into the Ray workers (sitecustomize in the job's runtime_env): no test may
+    fill a real disk."""
+    d, env = base
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import collections, shutil, torch\n"
+        "_save, _calls = torch.save, [0]\n"
+        "def save(obj, f, *a, **k):\n"
+        "    if str(f).endswith('optim.pt'):\n"
+        "        _calls[0] += 1\n"
+        "        if _calls[0] > 1:\n"
+        "            open(f, 'wb').write(b'PK partial')\n"
+        "            shutil.disk_usage = lambda p: collections.namedtuple('u', 'total used free')(1 << 30, 1 << 30, 0)\n"
+        "            raise RuntimeError('[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598')\n"
+        "    return _save(obj, f, *a, **k)\n"
+        "torch.save = save\n")
+    job = {"runtime_env": {"env_vars": {"PYTHONPATH": str(inject)}}}
+    run = tmp_path / "run"
+    p = train(d / "store", run, {**env, "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(job)},
+              "train.ckpt_interval=1", ok=False)
+    last = p.stderr.strip().splitlines()[-1]
+    assert ("disk full at" in last and "while writing checkpoint step-0000002" in last
+            and "step-0000001 is intact" in last and "free space and re-run to resume" in last), p.stderr
+    assert [c.name for c in (run / "checkpoints").glob("step-*")] == ["step-0000001"]
+    train(d / "store", run, env, "train.ckpt_interval=1", ok=True)
+    from eagle_ray.train.checkpoint import newest_loadable
+
+    assert newest_loadable(run).name == "step-0000002"
+    steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2], steps  # resumed from step 1: step 2 once
+
+
+def test_damaged_generation_part_is_redone_not_extracted_twice(base, tmp_path):
+    """A truncated generate/parts/part-*.parquet: the re-run moves it to parts/damaged/ with a
+    warning, generates its prompts again, and does not extract samples already in the store
+    a second time."""
+    d, env = base
+    gen, store = tmp_path / "gen", tmp_path / "store"
+    args = ["generate-extract", "--prompts", d / "prompts", "--generated", gen, "--out", store,
+            *sets("generate.batch_size=8")]
+    cli(*args, env=env, ok=True)
+    parts = sorted((gen / "parts").glob("part-*.parquet"))
+    assert len(parts) > 1 and len(read_index(store)) == N
+    before = sorted(read_index(store).column("sample_id").to_pylist())
+    ref = __import__("pyarrow.parquet", fromlist=["x"]).read_table(gen / "conversations.parquet")
+    victim = parts[1]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    p = cli(*args, env=env, ok=True)
+    assert f"{victim} does not read" in p.stderr and "generated again" in p.stderr, p.stderr[-3000:]
+    assert (gen / "parts" / "damaged" / victim.name).exists()  # kept for inspection
+    ids = read_index(store).column("sample_id").to_pylist()
+    assert sorted(ids) == before and len(ids) == len(set(ids))  # none twice, none lost
+    assert verify_store(store)["ok"]
+    import pyarrow.parquet as pq
+
+    again = pq.read_table(gen / "conversations.parquet")
+    assert again.column("sample_id").to_pylist() == ref.column("sample_id").to_pylist()
+    assert again.column("completion_token_ids").to_pylist() == ref.column("completion_token_ids").to_pylist()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_a_running_extract_is_one_line_with_what_was_kept(base, tmp_path, sig):
+    """`kill` (SIGTERM) and Ctrl-C (SIGINT) to `eagle-ray extract` mid-run: within seconds,
+    exit 128+signal and one line naming the signal, the committed samples and the way on; no
+    abort, no traceback. The re-run completes the store."""
+    d, env = base
+    store = tmp_path / "store"
+    proc = subprocess.Popen(_extract_cmd(d, store, "extract.max_replicas=1", "extract.batch_size=1"),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not list((store / "index").glob("part-*.parquet")):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    t0 = time.time()
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    took = time.time() - t0
+    name = signal.Signals(sig).name
+    assert proc.returncode == 128 + sig, (proc.returncode, err[-3000:])
+    assert took < 30, f"{took:.0f} s to stop"
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"eagle-ray extract: stopped by {name};") and "committed in" in last \
+        and "re-run the same command to resume" in last, err[-3000:]
+    assert "Traceback" not in out + err and "abort" not in (out + err).lower(), err[-3000:]
+    cli("extract", "--conversations", d / "conv", "--out", store, *sets(), env=env, ok=True)
+    rep = verify_store(store)
+    assert rep["ok"] and rep["samples"] == N and len(read_index(store)) == N, rep

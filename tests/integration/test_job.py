@@ -155,6 +155,14 @@ def test_job_stopped_during_extraction_resumes_to_the_same_store(head, tmp_path)
     assert status == "SUCCEEDED", logs[-5000:]
     assert "ingest: complete" in logs and "generate+extract (streamed, separate)" in logs
     assert f"({committed:,} already in the store)" in logs
+    # A person can follow it: no error trace in a successful run, chatter in OUT/logs only.
+    bad = [ln for ln in logs.splitlines() if any(w in ln for w in ("Traceback", "ERROR", "EngineDeadError"))]
+    assert not bad, "\n".join(bad[:20])
+    assert "Reporting training result" not in logs and "[shutdown]" not in logs
+    assert "\nsummary\n" in logs and "wall time:" in logs and "headline:" in logs
+    log_files = list((out / "logs").glob("*.log"))
+    assert any(f.name.startswith("vllm-") for f in log_files), log_files
+    assert any("[shutdown]" in f.read_text() or "KV cache" in f.read_text() for f in log_files)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["train"]["step"] == 4
     assert summary["evaluate"]["outputs_identical"] is True

@@ -40,7 +40,8 @@ def test_fine_tune_job_from_the_runs_own_export(finished_run, tmp_path):
     import json
     import shutil
 
-    from eagle_ray.job.pipeline import SAMPLE_DATA, run_end_to_end
+    from eagle_ray.job.pipeline import run_end_to_end
+    from sample_data import small_sample_data
     from eagle_ray.recipes import load_recipe
 
     run, _ = finished_run
@@ -51,7 +52,7 @@ def test_fine_tune_job_from_the_runs_own_export(finished_run, tmp_path):
                                       "train.ckpt_interval=20", "train.cpus_per_worker=1",
                                       f"train.init_from={run / 'drafter'}", "evaluate.seeds=1",
                                       "evaluate.prompts=24"])
-    s = run_end_to_end(r, SAMPLE_DATA, out)
+    s = run_end_to_end(r, small_sample_data(), out)
     assert s["status"] == "finished"
     info = json.loads((out / "train" / "run.json").read_text())
     assert info["init_from"]["dir"] == str((run / "drafter").resolve())

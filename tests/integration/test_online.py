@@ -152,14 +152,16 @@ def test_online_job_end_to_end_and_resubmitted(tmp_path, ray_cluster):
     feature bytes on disk. Run again, it finds every step complete and runs none."""
     import json
 
-    from eagle_ray.job.pipeline import SAMPLE_DATA, run_end_to_end
+    from sample_data import small_sample_data
+    from eagle_ray.job.pipeline import run_end_to_end
 
     r = load_recipe("tiny_cpu", ["train.max_steps=60", "train.eval_interval=60",
                                  "train.ckpt_interval=60", "train.cpus_per_worker=0.5",
                                  "extract.num_cpus_per_replica=0.5", "extract.max_replicas=2",
-                                 "evaluate.seeds=1"])
+                                 "evaluate.seeds=1", "evaluate.prompts=24"])
     out = tmp_path / "run"
-    s = run_end_to_end(r, SAMPLE_DATA, out, online=True)
+    data = small_sample_data(150, 100)
+    s = run_end_to_end(r, data, out, online=True)
     assert s["steps_run"] == ["ingest", "generate", "train", "export", "check", "evaluate"], s["steps_run"]
     assert s["store_verify"]["online"] and not (out / "store").exists()
     from safetensors import safe_open
@@ -173,5 +175,5 @@ def test_online_job_end_to_end_and_resubmitted(tmp_path, ray_cluster):
     assert ev["offline"] is None and ev["outputs_identical"]
     assert ev["online"]["mean_acceptance_length"] > ev["ngram"]["mean_acceptance_length"] + 0.5, ev
 
-    again = run_end_to_end(r, SAMPLE_DATA, out, online=True)
+    again = run_end_to_end(r, data, out, online=True)
     assert again["steps_run"] == [] and again["train"]["step"] == 60
