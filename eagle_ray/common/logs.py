@@ -54,6 +54,28 @@ QUIET_SOURCES = {
     # "Passing raw prompts to InputProcessor is deprecated": vLLM's own AsyncLLM.generate
     # passes them this way in 0.32; nothing a caller can change.
     "vllm.v1.engine.input_processor": "vLLM-internal deprecation",
+    # "The global random seed is set to 0 ..." and "does not officially support disabling
+    # chunked prefill": the capture engine runs in-process with chunked prefill off on
+    # purpose (one prefill per sequence; features equal transformers', tested).
+    "vllm.engine.arg_utils": "the capture engine's deliberate settings",
+    # libtcmalloc / libiomp not in LD_PRELOAD, "set_num_threads after the thread binding",
+    # NUMA: CPU performance hints; the CPU path is the tiny demo and the tests.
+    "vllm.v1.worker.cpu_worker": "CPU performance hints",
+    # "min_p and logit_bias parameters won't work with speculative decoding": the serving
+    # profiles use min_p 0 (recipes refuse otherwise for speculative runs).
+    "vllm.v1.sample.logits_processor": "min_p is 0 in every profile",
+    # The capture runs through a KV connector: "experimental API" and its cache layout.
+    "vllm.distributed.kv_transfer": "the capture connector, by design",
+    "vllm.v1.attention.backends.utils": "the capture connector's KV layout",
+    # "Progress bars disabled": we turn Ray Data's bars off; eagle_ray prints its own.
+    "ray.data._internal.progress": "eagle_ray's own progress replaces Ray Data's",
+}
+
+# Loggers with their own handlers (not ours) whose warnings are known harmless: raised to
+# ERROR where the process starts. Each names why.
+QUIET_LOGGERS = {
+    # "Triton not available, find_triton_kernels = []": torch on a CPU-only machine.
+    "torch._library.triton": "no Triton on CPU",
 }
 
 
@@ -151,6 +173,11 @@ def _quiet_warnings() -> None:
     # deprecations the pipeline does not use; the one we can act on was acted on.
     # torch's "TypedStorage is deprecated" comes from safetensors' torch loader; harmless.
     warnings.filterwarnings("ignore", message=r".*TypedStorage is deprecated.*", category=UserWarning)
+    # Ray Train 2.60's own use of Ray Data (its TrainController) trips Ray Data's deprecation.
+    warnings.filterwarnings("ignore", message=r".*ExecutionOptions.exclude_resources. is deprecated.*")
+    if not verbose():
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _configure_root(log_dir: str | None, role: str, stream=None) -> None:
@@ -196,7 +223,8 @@ def ray_data_config(log_dir: str | None) -> dict:
         "file": {"class": "ray.data._internal.logging.SessionFileHandler", "formatter": "ray",
                  "filename": "ray-data.log"},
         "console": {"class": "ray._private.log.PlainRayHandler", "formatter": "ray",
-                    "level": "INFO" if verbose() else "WARNING", "filters": ["console_filter"]}}
+                    "level": "INFO" if verbose() else "WARNING",
+                    "filters": ["console_filter", "eagle_ray_console"]}}
     if log_dir:
         # Ray Data builds handlers from "class" and passes the other keys as arguments.
         handlers["eagle_ray_file"] = {"class": f"{__name__}.ProcessFileHandler",
@@ -204,7 +232,8 @@ def ray_data_config(log_dir: str | None) -> dict:
                                       "level": "INFO", "formatter": "ray"}
     return {"version": 1, "disable_existing_loggers": False,
             "formatters": {"ray": {"format": "%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"}},
-            "filters": {"console_filter": {"()": "ray.data._internal.logging.HiddenRecordFilter"}},
+            "filters": {"console_filter": {"()": "ray.data._internal.logging.HiddenRecordFilter"},
+                        "eagle_ray_console": {"()": f"{__name__}.ConsoleFilter"}},
             "handlers": handlers,
             "loggers": {"ray.data": {"level": "DEBUG", "handlers": list(handlers), "propagate": False}}}
 
@@ -230,7 +259,10 @@ def setup(out_dir: str | Path | None = None, *, verbose_flag: bool = False,
         os.environ[LEVEL_ENV] = "DEBUG"
     log_dir = Path(out_dir).resolve() / LOGS_DIR if out_dir is not None else None
     _configure_root(str(log_dir) if log_dir else None, role, stream)
-    env = {LEVEL_ENV: level(), "RAY_DATA_DISABLE_PROGRESS_BARS": "0" if verbose() else "1"}
+    env = {LEVEL_ENV: level(), "RAY_DATA_DISABLE_PROGRESS_BARS": "0" if verbose() else "1",
+           # torch's C++ warnings (c10 TORCH_WARN, e.g. "NUMA binding: Using MEMBIND policy")
+           # go straight to stderr; their own level knob keeps errors only.
+           "TORCH_CPP_LOG_LEVEL": "INFO" if verbose() else "ERROR"}
     if log_dir is not None:
         env[LOG_DIR_ENV] = str(log_dir)
     # The libraries' config files, keyed by what they say, in this machine's temp directory

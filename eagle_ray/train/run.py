@@ -327,7 +327,8 @@ def _fit(recipe: Recipe, run: Path, info: dict, data: dict) -> dict[str, Any]:
         run_config=RunConfig(name="train", storage_path=str(run / "ray"),
                              failure_config=FailureConfig(max_failures=0),
                              # Ray Train's INFO (each report as a whole dict) to its files only
-                             logging_config=ray.LoggingConfig(log_level=logs.level())))
+                             logging_config=ray.LoggingConfig(
+                                 log_level="DEBUG" if logs.verbose() else "WARNING")))
     try:
         trainer.fit()
     except Exception as e:  # a store/checkpoint/disk fault inside a worker: raise it as itself

@@ -169,6 +169,16 @@ def _tolerant_rebind_kernels(overrides: list[tuple[Any, Any]]) -> None:
     def lookup(value: Any):
         return originals.get(id(value))  # identity only, as upstream (no __eq__/__hash__)
 
+    import warnings
+
+    with warnings.catch_warnings():
+        # Looking at every module attribute touches deprecated aliases (torch.distributed's
+        # reduce_op warns on access); the scan only reads them.
+        warnings.simplefilter("ignore")
+        _rebind_all(lookup)
+
+
+def _rebind_all(lookup) -> None:
     for module in list(__import__("sys").modules.values()):
         namespace = getattr(module, "__dict__", None)
         if not namespace:
