@@ -125,7 +125,8 @@ print(f"operating job {JOB}")
 # committed index part in `OUT/store/index` means the pool is running. `stage_of` reads the
 # stage from the log: the pipeline prints one line per finished step (`ingest: accepted ...`,
 # `generate+extract (...)`, `train: step ...`, `export + check: ...`, `evaluate: ...`,
-# `summary: ...`).
+# and the closing `summary` with its `wall time: ...` line; training's progress lines also
+# start with `train: step`).
 
 # %%
 from ray.job_submission import JobStatus, JobSubmissionClient
@@ -136,7 +137,7 @@ client = JobSubmissionClient(DASHBOARD)
 RUN = Path(client.get_job_info(JOB).metadata["out"])
 STEPS = [("ingest: accepted", "ingest"), ("generate+extract (", "generate+extract"),
          ("train: step", "train"), ("export + check:", "export + check"),
-         ("evaluate: mean acceptance", "evaluate"), ("summary: ", "summary")]
+         ("evaluate: mean acceptance", "evaluate"), ("  wall time: ", "summary")]
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # terminal colours in the log
 
 
