@@ -480,40 +480,20 @@ LOGGED_COMMANDS = {"generate", "extract", "generate-extract", "train", "evaluate
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eagle_ray.common.errors import TracebackFilter, one_line, user_fault
-
     from eagle_ray.common import logs, signals
+    from eagle_ray.common.errors import run_for_a_person
 
     signals.install()  # SIGTERM / Ctrl-C: one line with what is kept (kept_after_stop)
     args = build_parser().parse_args(argv)
     args.verbose = args.verbose or logs.verbose()  # -v or EAGLE_RAY_LOG_LEVEL=DEBUG
-    streams = sys.stdout, sys.stderr
-    if not args.verbose:  # stack traces (ours, and those Ray forwards from workers) behind -v
-        sys.stdout, sys.stderr = TracebackFilter(sys.stdout), TracebackFilter(sys.stderr)
-    # Quiet console, the run's log file under --out for the commands that run Ray / vLLM.
-    logs.setup(args.out if args.command in LOGGED_COMMANDS else None, verbose_flag=args.verbose)
-    try:
-        return args.fn(args)
-    except signals.Stopped as s:
-        print(f"eagle-ray {args.command}: stopped by {s}; {kept_after_stop(args)}", file=sys.stderr)
-        return s.exit_code
-    except Exception as e:
-        # Bad stores, manifests, checkpoints, paths, full disks (also inside Ray's wrappers):
-        # one line naming the file and the way out; the stack trace only with -v.
-        fault = user_fault(e)
-        if fault is None:
-            sys.stdout.flush()
-            sys.stdout, sys.stderr = streams
-            raise  # a bug: keep the traceback
-        if args.verbose:
-            import traceback
 
-            traceback.print_exception(e)
-        print(f"eagle-ray {args.command}: error: {one_line(fault)}", file=sys.stderr)
-        return 2
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+    def command() -> int:
+        # Quiet console, the run's log file under --out for the commands that run Ray / vLLM.
+        logs.setup(args.out if args.command in LOGGED_COMMANDS else None, verbose_flag=args.verbose)
+        return args.fn(args)
+
+    return run_for_a_person(command, f"eagle-ray {args.command}", verbose=args.verbose,
+                            kept=lambda: kept_after_stop(args))
 
 
 if __name__ == "__main__":

@@ -32,38 +32,20 @@ def main(argv=None) -> int:
     if args.init_from:
         args.set.append(f"train.init_from={args.init_from}")
     from eagle_ray.common import signals
-    from eagle_ray.common.errors import TracebackFilter, one_line, user_fault
+    from eagle_ray.common.errors import run_for_a_person
 
     signals.install()  # `ray job stop` sends SIGTERM: one line, not an abort
-
     args.verbose = args.verbose or logs.verbose()
-    streams = sys.stdout, sys.stderr
-    if not args.verbose:  # tracebacks Ray forwards from workers of a failing step: -v
-        sys.stdout, sys.stderr = TracebackFilter(sys.stdout), TracebackFilter(sys.stderr)
-    logs.setup(args.out, verbose_flag=args.verbose)
-    try:
+
+    def job() -> int:
+        logs.setup(args.out, verbose_flag=args.verbose)
         run_end_to_end(load_recipe(args.recipe, args.set), args.data or SAMPLE_DATA, args.out,
                        online=args.online)
-    except signals.Stopped as s:
-        print(f"end_to_end: stopped by {s}; every finished step and every committed sample in "
-              f"{args.out} is kept; submit the same job (same --out) again to resume", file=sys.stderr)
-        return s.exit_code
-    except Exception as e:
-        fault = user_fault(e)
-        if fault is None:
-            sys.stdout.flush()
-            sys.stdout, sys.stderr = streams
-            raise  # a bug: keep the traceback
-        if args.verbose:
-            import traceback
+        return 0
 
-            traceback.print_exception(e)
-        print(f"end_to_end: error: {one_line(fault)}", file=sys.stderr)
-        return 2
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    return 0
+    return run_for_a_person(job, "end_to_end", verbose=args.verbose, kept=lambda: (
+        f"every finished step and every committed sample in {args.out} is kept; submit the "
+        "same job (same --out) again to resume"))
 
 
 if __name__ == "__main__":

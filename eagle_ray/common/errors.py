@@ -140,3 +140,40 @@ class TracebackFilter:
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
+
+
+def run_for_a_person(fn, prog: str, *, verbose: bool, kept) -> int:
+    """Run `fn()` (the CLI command, the job) and return its exit code, as a person should see
+    it: tracebacks behind `verbose` (stdout/stderr wrapped in TracebackFilter otherwise, before
+    `fn` sets up logging on them); SIGTERM/SIGINT end in one line `PROG: stopped by SIG; kept()`
+    (exit 128+signal); a user-facing fault in one line `PROG: error: ...` (exit 2); a bug keeps
+    its traceback."""
+    import sys
+
+    from eagle_ray.common import signals
+
+    streams = sys.stdout, sys.stderr
+    if not verbose:  # stack traces (ours, and those Ray forwards from workers) behind -v
+        sys.stdout, sys.stderr = TracebackFilter(sys.stdout), TracebackFilter(sys.stderr)
+    try:
+        return fn()
+    except signals.Stopped as s:
+        print(f"{prog}: stopped by {s}; {kept()}", file=sys.stderr)
+        return s.exit_code
+    except Exception as e:
+        # Bad stores, manifests, checkpoints, paths, full disks (also inside Ray's wrappers):
+        # one line naming the file and the way out; the stack trace only with -v.
+        fault = user_fault(e)
+        if fault is None:
+            sys.stdout.flush()
+            sys.stdout, sys.stderr = streams
+            raise  # a bug: keep the traceback
+        if verbose:
+            import traceback
+
+            traceback.print_exception(e)
+        print(f"{prog}: error: {one_line(fault)}", file=sys.stderr)
+        return 2
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()

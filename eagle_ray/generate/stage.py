@@ -277,35 +277,6 @@ def _stop_output_handler(engine, timeout_s: float = 10.0) -> None:
         logger.debug("output handler stop: %r", e)
 
 
-def _handler_first_in_teardown(engine) -> bool:
-    """Make vLLM's own teardown of `engine` (the MPClient finalizer, run when the actor's
-    objects are garbage-collected or at exit, which can come before the UDF's `__del__`: the
-    collector runs weakref callbacks before finalizers) cancel the output handler before it
-    stops the engine core, as `_stop_output_handler` does for `close()`. Needs the handler
-    (created by the first request); True once installed."""
-    import weakref
-
-    core = getattr(engine, "engine_core", None)
-    task = getattr(engine, "output_handler", None)
-    fin = getattr(core, "_finalizer", None)
-    if task is None or fin is None or not fin.alive:
-        return False
-    detached = fin.detach()
-    if detached is None:
-        return False
-    obj, func, args, kwargs = detached
-    task_ref = weakref.ref(task)
-
-    def teardown(*a, **k):
-        t = task_ref()
-        if t is not None and not t.done():
-            t.cancel()  # raised into the handler at its next wake-up, before any engine error
-        return func(*a, **k)
-
-    core._finalizer = weakref.finalize(obj, teardown, *args, **kwargs)
-    return True
-
-
 def _close_if_alive(ref) -> None:
     udf = ref()
     if udf is not None:
@@ -347,7 +318,6 @@ class GenerateUDF(_Regenerate):
             stat_loggers=[RayPrometheusStatLogger])
         self._init_sampling(self.engine.model_config.max_model_len, model_path)
         self._seq = 0
-        self._quiet_teardown = False
 
         # Shut the engine down when the actor exits, before the engine-core process is killed
         # under a still-running output handler (which logs a spurious EngineDeadError
@@ -379,8 +349,6 @@ class GenerateUDF(_Regenerate):
         with InFlight("generate"):
             cols, rows, todo = self._prepare(batch)
             outputs = await self._generate([(TokensPrompt(prompt_token_ids=t[2]), t[1]) for t in todo])
-            if not self._quiet_teardown:
-                self._quiet_teardown = _handler_first_in_teardown(self.engine)
             table = self._finish(cols, rows, todo, outputs)
         yield table
 
