@@ -9,8 +9,10 @@ setup:
 demo: setup
 	.venv/bin/python -m eagle_ray.job.demo --out out/demo
 
+# CI passes PYTEST_ARGS="-v --durations=30": each test named as it ends, the slowest listed.
+PYTEST_ARGS ?= -q
 test: setup
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile tests
+	.venv/bin/python -m pytest $(PYTEST_ARGS) -n 2 --dist loadfile tests
 
 bench: setup
 	.venv/bin/python bench/bench_ingest_stats.py

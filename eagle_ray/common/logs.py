@@ -79,6 +79,20 @@ QUIET_LOGGERS = {
 }
 
 
+def _ray_train_report_logger() -> str | None:
+    """Ray Train 2.60 logs "Reporting training result N: TrainingReport({...whole dict...})"
+    at INFO on every `train.report` of every rank (ray/train/v2/_internal/execution/
+    context.py), from a logger named by that file's *path*, not `ray.train.*`, so neither
+    RunConfig(logging_config=) nor a `ray.train` level reaches it. Our own train lines carry
+    the same figures, once, legibly: this logger is raised to WARNING in train workers."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("ray")  # ray itself is imported in every worker already
+    if spec is None or not spec.origin:
+        return None
+    return str(Path(spec.origin).parent / "train" / "v2" / "_internal" / "execution" / "context.py")
+
+
 def level() -> str:
     """INFO (quiet console) or DEBUG (everything on the console)."""
     v = os.environ.get(LEVEL_ENV, "INFO").upper()
@@ -288,6 +302,10 @@ def setup(out_dir: str | Path | None = None, *, verbose_flag: bool = False,
 def add_file_handler(role: str) -> None:
     """The run's log file for this process, where a library (Ray Train) has replaced the
     root logger's handlers with its own."""
+    if not verbose():
+        name = _ray_train_report_logger()
+        if name:
+            logging.getLogger(name).setLevel(logging.WARNING)
     log_dir = os.environ.get(LOG_DIR_ENV)
     root = logging.getLogger()
     if not log_dir or any(isinstance(h, ProcessFileHandler) for h in root.handlers):

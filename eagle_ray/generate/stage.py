@@ -335,6 +335,7 @@ class GenerateUDF(_Regenerate):
             os.remove(cause)
         engine = self.__dict__.pop("engine", None)
         if engine is not None:
+            logger.debug("generation replica %d: shutting its vLLM engine down", os.getpid())
             try:
                 _stop_output_handler(engine)
                 engine.shutdown()  # the engine-core process
