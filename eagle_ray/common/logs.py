@@ -189,6 +189,12 @@ def _quiet_warnings() -> None:
     warnings.filterwarnings("ignore", message=r".*TypedStorage is deprecated.*", category=UserWarning)
     # Ray Train 2.60's own use of Ray Data (its TrainController) trips Ray Data's deprecation.
     warnings.filterwarnings("ignore", message=r".*ExecutionOptions.exclude_resources. is deprecated.*")
+    quiet_known_loggers()
+
+
+def quiet_known_loggers() -> None:
+    """QUIET_LOGGERS to ERROR in this process (not with -v). Also called by the vLLM plugin
+    in the processes vLLM spawns (engine cores), which run none of our setup."""
     if not verbose():
         for name in QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)

@@ -100,7 +100,7 @@ def generation_dataset(recipe: Recipe, prompts: pa.Table, model_dir: Path):
                                         gpus_per_replica=g.gpus_per_replica,
                                         batch_size=g.batch_size,
                                         num_cpus=recipe.engine.num_cpus_per_replica,
-                                        max_concurrency=g.batches_in_flight))
+                                        max_concurrency=g.batches_in_flight, child_engine=True))
 
 
 DAMAGED_DIR = "damaged"  # parts/damaged/: parts that no longer read, kept for inspection

@@ -319,11 +319,12 @@ class GenerateUDF(_Regenerate):
         self._init_sampling(self.engine.model_config.max_model_len, model_path)
         self._seq = 0
 
-        # Shut the engine down when the actor exits, before the engine-core process is killed
-        # under a still-running output handler (which logs a spurious EngineDeadError
-        # traceback into the job's log): Ray Data drops the UDF on a graceful exit
-        # (`__ray_shutdown__`), which runs `__del__`; atexit covers other exits. The atexit
-        # hook holds only a weak reference, so it does not keep the UDF alive.
+        # Shut the engine down when the actor exits, in vLLM's order (the output handler
+        # first, then the engine core), before anything kills the engine core under a
+        # running output handler (a spurious EngineDeadError traceback in the job's log):
+        # at interpreter exit (atexit; Ray leaves these actors' child processes alone,
+        # eagle_ray.vllm.engine.CHILD_ENGINE_ENV) or when the UDF is dropped (`__del__`).
+        # The atexit hook holds only a weak reference, so it does not keep the UDF alive.
         atexit.register(_close_if_alive, weakref.ref(self))
 
     def __del__(self):

@@ -29,6 +29,18 @@ ENGINE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 
+# A replica whose engine core is a child process of its actor (AsyncLLM: generation).
+# Ray kills a worker's child processes as the worker exits (RayConfig
+# kill_child_processes_on_worker_exit), before Python's exit handlers run: the engine core
+# died under AsyncLLM's still-running output handler, which logged `AsyncLLM output_handler
+# failed ... EngineDeadError` with a traceback at every pool's teardown of every successful
+# run, and the replica's own shutdown (GenerateUDF.close) came too late. Off for these
+# actors, the replica shuts its engine down itself, in vLLM's order, at exit; and the engine
+# core follows its parent out however the actor ends (SIGKILL, OOM, node loss: the parent
+# watch in eagle_ray/vllm/plugin.py), so no engine outlives its replica.
+CHILD_ENGINE_ENV = {"RAY_kill_child_processes_on_worker_exit": "false",
+                    "EAGLE_RAY_WATCH_PARENT": "1"}
+
 
 def _verbose() -> bool:
     from eagle_ray.common import logs
@@ -98,7 +110,8 @@ def run_requests(llm, requests: list) -> list:
 
 
 def pool_kwargs(recipe: Recipe, *, min_size: int, max_size: int, gpus_per_replica: int,
-                batch_size: int, num_cpus: float, max_concurrency: int = 1) -> dict[str, Any]:
+                batch_size: int, num_cpus: float, max_concurrency: int = 1,
+                child_engine: bool = False) -> dict[str, Any]:
     """`Dataset.map_batches` arguments for a pool of engine replicas.
 
     Only Ray Data's named parameters: `ray_remote_args` / `ray_remote_args_fn` are deprecated
@@ -107,6 +120,7 @@ def pool_kwargs(recipe: Recipe, *, min_size: int, max_size: int, gpus_per_replic
     current placement group, creates one of TP {"GPU": 1} bundles with the first bundle on the
     actor's node (`vllm/v1/executor/ray_utils.py: initialize_ray_cluster`); Ray Data's only
     per-actor placement hook was the deprecated `ray_remote_args_fn`.
+    `child_engine`: the replica's engine core is its child process (CHILD_ENGINE_ENV).
     """
     import ray
 
@@ -119,7 +133,7 @@ def pool_kwargs(recipe: Recipe, *, min_size: int, max_size: int, gpus_per_replic
             # Several batches in flight per replica keep the engine's running batch full.
             max_concurrent_calls_per_actor=max_concurrency),
         batch_size=batch_size, batch_format="pyarrow",
-        runtime_env={"env_vars": ENGINE_ENV},
+        runtime_env={"env_vars": {**ENGINE_ENV, **(CHILD_ENGINE_ENV if child_engine else {})}},
         num_cpus=num_cpus)
     kw["num_gpus"] = 1 if gpus_per_replica > 0 and tp == 1 else 0
     return kw

@@ -89,7 +89,11 @@ def register() -> None:
     """vLLM general-plugin entry point (runs once per process)."""
     from vllm.platforms import current_platform
 
+    from eagle_ray.common.logs import quiet_known_loggers
+
+    quiet_known_loggers()  # e.g. torch's "Triton not available" in a spawned engine core
     _install_engine_death_cause()
+    _watch_parent()
     if not current_platform.is_cpu():
         return
     from vllm.triton_utils import dispatcher
@@ -205,6 +209,36 @@ _tolerant_rebind_kernels.eagle_ray_tolerant = True  # type: ignore[attr-defined]
 
 
 CAUSE_ENV = "EAGLE_RAY_ENGINE_CAUSE_FILE"
+WATCH_PARENT_ENV = "EAGLE_RAY_WATCH_PARENT"
+
+
+def _watch_parent(interval_s: float = 1.0) -> None:
+    """In a process vLLM spawned (the engine core) of a replica that asks for it
+    (EAGLE_RAY_WATCH_PARENT=1, eagle_ray.vllm.engine.CHILD_ENGINE_ENV): when the parent is
+    gone (re-parented: `getppid()` changed), SIGTERM this process, which vLLM's engine core
+    handles as a clean shutdown. vLLM 0.32's engine core does not notice a dead parent by
+    itself; Ray used to kill it (and is told not to for these replicas, so that they can
+    shut their engines down in order)."""
+    import multiprocessing
+    import signal
+    import threading
+    import time
+
+    if os.environ.get(WATCH_PARENT_ENV) != "1" or multiprocessing.parent_process() is None:
+        return
+    if getattr(_watch_parent, "started", False):
+        return
+    _watch_parent.started = True  # type: ignore[attr-defined]
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        logger.warning("eagle_ray: the replica (pid %d) that started this vLLM engine core is "
+                       "gone; shutting the engine core down", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="eagle_ray-parent-watch", daemon=True).start()
 
 
 def _install_engine_death_cause() -> None:
