@@ -67,6 +67,10 @@ QUIET_SOURCES = {
     # The capture runs through a KV connector: "experimental API" and its cache layout.
     "vllm.distributed.kv_transfer": "the capture connector, by design",
     "vllm.v1.attention.backends.utils": "the capture connector's KV layout",
+    # "[shutdown] Process manager: force killing remaining process EngineCore": vLLM gives
+    # an engine core 5 s to leave after SIGTERM and then kills it; a loaded CPU engine core
+    # can take longer. At that point its requests are finished and its outputs written.
+    "vllm.v1.utils": "engine-core shutdown grace on a loaded CPU",
     # "Progress bars disabled": we turn Ray Data's bars off; eagle_ray prints its own.
     "ray.data._internal.progress": "eagle_ray's own progress replaces Ray Data's",
 }
