@@ -88,7 +88,7 @@ def _ray_train_report_logger() -> str | None:
     at INFO on every `train.report` of every rank (ray/train/v2/_internal/execution/
     context.py), from a logger named by that file's *path*, not `ray.train.*`, so neither
     RunConfig(logging_config=) nor a `ray.train` level reaches it. Our own train lines carry
-    the same figures, once, legibly: this logger is raised to WARNING in train workers."""
+    the same figures, once, legibly: `quiet_known_loggers` raises it to WARNING."""
     import importlib.util
 
     spec = importlib.util.find_spec("ray")  # ray itself is imported in every worker already
@@ -197,11 +197,16 @@ def _quiet_warnings() -> None:
 
 
 def quiet_known_loggers() -> None:
-    """QUIET_LOGGERS to ERROR in this process (not with -v). Also called by the vLLM plugin
-    in the processes vLLM spawns (engine cores), which run none of our setup."""
-    if not verbose():
-        for name in QUIET_LOGGERS:
-            logging.getLogger(name).setLevel(logging.ERROR)
+    """QUIET_LOGGERS to ERROR and Ray Train's report logger to WARNING in this process (not
+    with -v). Also called by the vLLM plugin in the processes vLLM spawns (engine cores), which
+    run none of our setup, and again in train workers after Ray Train's own logging setup."""
+    if verbose():
+        return
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    train_report = _ray_train_report_logger()
+    if train_report:
+        logging.getLogger(train_report).setLevel(logging.WARNING)
 
 
 def _configure_root(log_dir: str | None, role: str, stream=None) -> None:
@@ -312,10 +317,7 @@ def setup(out_dir: str | Path | None = None, *, verbose_flag: bool = False,
 def add_file_handler(role: str) -> None:
     """The run's log file for this process, where a library (Ray Train) has replaced the
     root logger's handlers with its own."""
-    if not verbose():
-        name = _ray_train_report_logger()
-        if name:
-            logging.getLogger(name).setLevel(logging.WARNING)
+    quiet_known_loggers()
     log_dir = os.environ.get(LOG_DIR_ENV)
     root = logging.getLogger()
     if not log_dir or any(isinstance(h, ProcessFileHandler) for h in root.handlers):

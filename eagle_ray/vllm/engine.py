@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 from eagle_ray.config import Recipe
+from eagle_ray.vllm.plugin import WATCH_PARENT_ENV
 
 # Env for every engine actor. Capture engines (`vllm.LLM` in VllmCapture) run their engine
 # core in-process: one process per replica, which Ray accounts for, and which the capture
@@ -38,8 +39,7 @@ ENGINE_ENV = {
 # actors, the replica shuts its engine down itself, in vLLM's order, at exit; and the engine
 # core follows its parent out however the actor ends (SIGKILL, OOM, node loss: the parent
 # watch in eagle_ray/vllm/plugin.py), so no engine outlives its replica.
-CHILD_ENGINE_ENV = {"RAY_kill_child_processes_on_worker_exit": "false",
-                    "EAGLE_RAY_WATCH_PARENT": "1"}
+CHILD_ENGINE_ENV = {"RAY_kill_child_processes_on_worker_exit": "false", WATCH_PARENT_ENV: "1"}
 
 
 def _verbose() -> bool:
