@@ -114,8 +114,14 @@ class StorageConfig:
     """Where shards go; the planner checks free space here."""
     headroom: float = 0.05
     """Fraction of free space kept unused when deciding whether a plan fits."""
+    shard_bytes: int = 2 * 1024 ** 3
+    """Each extractor appends its writes to one shard file until it reaches this size
+    (store/segments.py), so a store has ~total bytes / shard_bytes files, whatever its
+    sample count. 1: one shard per write (the layout of stores before byte-sized shards)."""
 
     def __post_init__(self) -> None:
+        if self.shard_bytes < 1:
+            raise ValueError(f"storage.shard_bytes={self.shard_bytes} must be >= 1")
         if self.dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage.dtype={self.dtype!r}; choose one of {', '.join(STORAGE_DTYPES)}")
         if not 0 <= self.headroom < 1:

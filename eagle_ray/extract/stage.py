@@ -104,7 +104,7 @@ class ExtractUDF:
         self.store_dir = store_dir
         # `backend`: an engine built by the caller (the colocated stage shares its own).
         self.backend = backend if backend is not None else make_backend(recipe, model_path)
-        self.writer = StoreWriter(store_dir, manifest)
+        self.writer = StoreWriter(store_dir, manifest, shard_bytes=recipe.storage.shard_bytes)
         self._seen_parts: set[str] = set()
         self._done: set[str] = set()
 

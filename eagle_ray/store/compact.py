@@ -36,7 +36,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle_ray.common.provenance import fsync_dir
-from eagle_ray.store.format import INDEX_DIR, INDEX_SCHEMA
+import numpy as np
+
+from eagle_ray.store.format import INDEX_DIR, INDEX_SCHEMA, StoreDamagedError, repair_hint
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,19 @@ def replaced_by(path: Path) -> list[str]:
     """The file names a compact file replaces (from its Parquet metadata)."""
     meta = pq.read_schema(path).metadata or {}
     return json.loads(meta.get(REPLACES_KEY, b"[]"))
+
+
+def read_index_part(path: Path) -> pa.Table:
+    """One index file's rows in INDEX_SCHEMA. A file written before shards held several
+    segments has no `shard_offset`: each of its shards is one segment at byte 0."""
+    try:
+        t = pq.read_table(path)
+        if "shard_offset" not in t.column_names:
+            t = t.append_column("shard_offset", pa.array(np.zeros(t.num_rows, np.int64)))
+        return t.select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA).replace_schema_metadata(None)
+    except (OSError, ValueError, KeyError, pa.ArrowException) as e:  # truncated / overwritten parquet
+        raise StoreDamagedError(f"index part {path} is unreadable ({e}); "
+                                f"{repair_hint(path.parent.parent)}") from None
 
 
 def live_index_files(root: str | Path) -> list[Path]:
@@ -132,7 +147,7 @@ def compact(root: str | Path, *, everything: bool = False, blocking: bool = True
             replaces.append(p.name)
             if p.name.startswith("compact-"):
                 replaces.extend(replaced_by(p))
-            tables.append(pq.read_table(p, schema=INDEX_SCHEMA))
+            tables.append(read_index_part(p))
         table = pa.concat_tables(tables) if tables else INDEX_SCHEMA.empty_table()
         # Names sort by creation: a time prefix keeps "oldest first" true for readers.
         name = f"compact-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet"

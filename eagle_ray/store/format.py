@@ -1,7 +1,8 @@
 """The hidden-state store contract: manifest, shard tensors, index rows, storage dtypes.
 
     STORE/manifest.json                      identity of what the features mean (frozen)
-    STORE/shards/shard-<writer>-<seq>.safetensors
+    STORE/shards/shard-<writer>-<seq>.safetensors   segments, one per write (store/segments.py),
+                                                    each a whole safetensors file's bytes:
         aux        [T, A*H]  storage dtype    A = len(aux_layer_ids), layer blocks in id order
         final      [T, H]    storage dtype    last layer output after the final norm
         input_ids  [T]       int32
@@ -10,10 +11,12 @@
         final_scale[T, 1]    float32          fp8_e4m3 only
     STORE/index/part-<writer>-<seq>.parquet  one row per sample (INDEX_SCHEMA)
 
-Many samples are concatenated along T in one shard; a sample is rows
-[offset, offset + num_tokens) of every tensor. Shards and index parts are written under a
-temporary name and renamed when complete; the index part is renamed only after its
-shard, so an index row never points at a partial shard. A sample exists iff its row does.
+Many samples are concatenated along T in one segment; a sample is rows
+[offset, offset + num_tokens) of every tensor of the segment at byte `shard_offset` of its
+shard. A new shard is written under a temporary name and renamed when complete, a later
+segment is appended to it; either way the index part is renamed into place only after the
+shard bytes are on disk, so an index row never points at a partial segment. A sample
+exists iff its row does.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ INDEX_SCHEMA = pa.schema([
     pa.field("sample_id", pa.string(), nullable=False),
     pa.field("source", pa.string()),
     pa.field("shard", pa.string(), nullable=False),          # file name under shards/
+    pa.field("shard_offset", pa.int64(), nullable=False),    # byte offset of the segment
     pa.field("offset", pa.int64(), nullable=False),          # first token row in the shard
     pa.field("num_tokens", pa.int32(), nullable=False),      # after end-truncation
     pa.field("num_loss_tokens", pa.int32(), nullable=False),
@@ -116,3 +120,8 @@ def tensor_bytes(t) -> memoryview:
     import torch
 
     return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
+def repair_hint(root: str | Path) -> str:
+    return (f"run `eagle-ray store repair {root}` (drops what is damaged, keeps one verified "
+            "copy of each sample), then `eagle-ray extract` again to redo the dropped samples")

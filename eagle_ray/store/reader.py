@@ -3,7 +3,8 @@
 `HiddenStateStore(path)` validates the manifest (optionally against what the caller
 expects), loads the committed index (all index parts; a sample id committed twice, which
 only a retried write can cause, resolves to its first row), and returns a sample's tensors
-by slicing memory-mapped shards: only the sample's rows are read, never the whole shard.
+by reading its rows from its shard segment (store/segments.py): only the sample's rows
+are read, never the whole shard.
 It works as a map-style torch Dataset (`store[i]`) and feeds Ray Data via `index_table()`.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +20,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from eagle_ray.store.compact import read_index_part
 from eagle_ray.store.format import (INDEX_DIR, INDEX_SCHEMA, MANIFEST_FILE, SCHEMA_VERSION,
                                     SHARDS_DIR, StoreDamagedError, StoreError, StoreManifest,
-                                    sample_checksum, tensor_bytes)
-
-
-def repair_hint(root: str | Path) -> str:
-    return (f"run `eagle-ray store repair {root}` (drops what is damaged, keeps one verified "
-            "copy of each sample), then `eagle-ray extract` again to redo the dropped samples")
+                                    repair_hint, sample_checksum, tensor_bytes)
+from eagle_ray.store.segments import ShardFiles
 
 
 def read_manifest(root: str | Path) -> StoreManifest:
@@ -65,14 +62,6 @@ def read_index(root: str | Path) -> pa.Table:
     if not files:
         return INDEX_SCHEMA.empty_table()
     return pa.concat_tables([read_index_part(p) for p in files])
-
-
-def read_index_part(path: Path) -> pa.Table:
-    try:
-        return pq.read_table(path, schema=INDEX_SCHEMA).replace_schema_metadata(None)
-    except (OSError, ValueError, pa.ArrowException) as e:  # truncated / overwritten parquet
-        raise StoreDamagedError(f"index part {path} is unreadable ({e}); "
-                                f"{repair_hint(path.parent.parent)}") from None
 
 
 def committed_ids(root: str | Path) -> set[str]:
@@ -120,8 +109,7 @@ class HiddenStateStore:
         # store of a million samples costs reading its (compacted) index, not 1M objects.
         self._cols = _LazyColumns(self.index)
         self._row_of_map: dict[str, int] | None = None
-        self._open: OrderedDict[str, Any] = OrderedDict()
-        self._max_open = max_open_shards
+        self._shards = ShardFiles(self.root / SHARDS_DIR, max_open_shards)
         self._verified: set[int] = set()  # rows whose checksum passed in this process
 
     def __len__(self) -> int:
@@ -140,33 +128,15 @@ class HiddenStateStore:
     def index_table(self) -> pa.Table:
         return self.index
 
-    def _shard(self, name: str):
-        from safetensors import safe_open
-
-        h = self._open.get(name)
-        if h is None:
-            path = self.root / SHARDS_DIR / name
-            if not path.exists():
-                raise StoreDamagedError(f"shard {path} referenced by the index is missing; "
-                                        f"{repair_hint(self.root)}")
-            try:
-                h = safe_open(str(path), framework="pt")  # memory-mapped
-            except Exception as e:  # SafetensorError: truncated or overwritten header
-                raise StoreDamagedError(f"shard {path} is unreadable ({e}); "
-                                        f"{repair_hint(self.root)}") from None
-            self._open[name] = h
-            if len(self._open) > self._max_open:
-                self._open.popitem(last=False)
-        else:
-            self._open.move_to_end(name)
-        return h
-
     def raw(self, key: int | str) -> dict[str, Any]:
-        """The sample's stored tensors (storage dtype), sliced from the shard."""
+        """The sample's stored tensors (storage dtype), read from its shard segment."""
         i = self._row_of[key] if isinstance(key, str) else int(key)
         name, off, n = self._cols["shard"][i], self._cols["offset"][i], self._cols["num_tokens"][i]
-        h = self._shard(name)
-        return {k: h.get_slice(k)[off:off + n] for k in h.keys()}
+        try:
+            seg = self._shards.segment(name, self._cols["shard_offset"][i])
+            return {k: seg.rows(k, off, off + n) for k in seg.keys()}
+        except (StoreDamagedError, OSError) as e:
+            raise StoreDamagedError(f"{e}; {repair_hint(self.root)}") from None
 
     def get(self, key: int | str, *, verify: bool = False, dtype=None) -> dict[str, Any]:
         """{"input_ids" [T] int64, "loss_mask" [T] bool, "aux" [T, A*H], "final" [T, H]}
@@ -191,15 +161,12 @@ class HiddenStateStore:
 
 
 def verify_store(root: str | Path, *, checksums: bool = True) -> dict[str, Any]:
-    """Check every index row against its shard (exists, readable, in bounds, and with
-    `checksums` its checksum) and find duplicates, orphan shards (a lost index part) and the
-    leftovers of interrupted writes. Returns {"samples", "shards", "tokens", "problems",
+    """Check every index row against its shard segment (exists, readable, in bounds, and
+    with `checksums` its checksum) and find duplicates, orphan shards (a lost index part) and
+    the leftovers of interrupted writes. Returns {"samples", "shards", "tokens", "problems",
     "orphans", "interrupted", "ok"}; `ok` is no damage (problems or orphans): interrupted
     writes hold nothing committed.
-    Without checksums only headers are read: seconds for any store size."""
-    from safetensors import safe_open
-
-
+    Without checksums only segment headers are read: seconds for any store size."""
     root = Path(root)
     problems: list[str] = []
     manifest = read_manifest(root)
@@ -209,39 +176,42 @@ def verify_store(root: str | Path, *, checksums: bool = True) -> dict[str, Any]:
     if dup:
         problems.append(f"{dup} sample id(s) committed more than once")
     shards_on_disk = {p.name for p in (root / SHARDS_DIR).glob("shard-*.safetensors")}
-    # Rows grouped by shard with Arrow/numpy (a million rows: no Python object per row).
-    enc = pc.dictionary_encode(index.column("shard")).combine_chunks() if index.num_rows else None
-    names = enc.dictionary.to_pylist() if enc is not None else []
-    codes = enc.indices.to_numpy() if enc is not None else np.zeros(0, np.int64)
-    offsets = index.column("offset").to_numpy()
-    ntok = index.column("num_tokens").to_numpy().astype(np.int64)
-    order = np.argsort(codes, kind="stable")
-    bounds = np.searchsorted(codes[order], np.arange(len(names) + 1))
-    referenced = set(names)
-    for name in sorted(referenced - shards_on_disk):
-        problems.append(f"index references missing shard {name}")
     expected_keys = {"aux", "final", "input_ids", "loss_mask"} | (
         {"aux_scale", "final_scale"} if manifest.dtype == "fp8_e4m3" else set())
-    for code in sorted(range(len(names)), key=names.__getitem__):
-        name = names[code]
+    files = ShardFiles(root / SHARDS_DIR, max_open=8)
+    ends: dict[str, int] = {}  # shard -> end of its last committed segment
+    offsets = index.column("offset").to_numpy()
+    ntok = index.column("num_tokens").to_numpy().astype(np.int64)
+    # Rows grouped by (shard, segment) with Arrow (a million rows: no Python object per row).
+    groups = (pa.table({"shard": index.column("shard"), "seg": index.column("shard_offset"),
+                        "row": pa.array(np.arange(index.num_rows, dtype=np.int64))})
+              .group_by(["shard", "seg"]).aggregate([("row", "list")])
+              .sort_by([("shard", "ascending"), ("seg", "ascending")]))
+    referenced = set(pc.unique(index.column("shard")).to_pylist()) if index.num_rows else set()
+    for name in sorted(referenced - shards_on_disk):
+        problems.append(f"index references missing shard {name}")
+    for name, seg_off, rows in zip(groups.column("shard").to_pylist(), groups.column("seg").to_pylist(),
+                                   groups.column("row_list").to_numpy(zero_copy_only=False)):
         if name not in shards_on_disk:
             continue
-        rows = order[bounds[code]:bounds[code + 1]]
+        rows = np.asarray(rows, np.int64)
+        where = f"{name}" + (f" @ byte {seg_off}" if seg_off else "")
         try:
-            h = safe_open(str(root / SHARDS_DIR / name), framework="pt")
-            keys = set(h.keys())
+            seg = files.segment(name, seg_off)
+            ends[name] = max(ends.get(name, 0), seg.end)
+            keys = set(seg.keys())
             if keys != expected_keys:
-                problems.append(f"{name}: tensors {sorted(keys)} != expected {sorted(expected_keys)}")
+                problems.append(f"{where}: tensors {sorted(keys)} != expected {sorted(expected_keys)}")
                 continue
-            T = h.get_slice("input_ids").get_shape()[0]
-            if h.get_slice("aux").get_shape() != [T, manifest.aux_width] or \
-                    h.get_slice("final").get_shape() != [T, manifest.hidden_size]:
-                problems.append(f"{name}: tensor shapes do not match the manifest")
+            T = seg.shape("input_ids")[0]
+            if seg.shape("aux") != (T, manifest.aux_width) or \
+                    seg.shape("final") != (T, manifest.hidden_size):
+                problems.append(f"{where}: tensor shapes do not match the manifest")
                 continue
             a, n = offsets[rows], ntok[rows]
             for i in rows[(a < 0) | (a + n > T)]:
                 problems.append(f"{index.column('sample_id')[int(i)].as_py()}: rows [{offsets[i]}, "
-                                f"{offsets[i] + ntok[i]}) outside {name} ({T} rows)")
+                                f"{offsets[i] + ntok[i]}) outside {where} ({T} rows)")
             if not checksums:
                 continue
             ok_rows = rows[(a >= 0) & (a + n <= T)]
@@ -249,33 +219,65 @@ def verify_store(root: str | Path, *, checksums: bool = True) -> dict[str, Any]:
             sids = index.column("sample_id").take(pa.array(ok_rows)).to_pylist()
             for i, want, sid in zip(ok_rows, sums, sids):
                 a0, n0 = int(offsets[i]), int(ntok[i])
-                got = sample_checksum([tensor_bytes(h.get_slice(k)[a0:a0 + n0]) for k in sorted(keys)])
+                got = sample_checksum([tensor_bytes(seg.rows(k, a0, a0 + n0)) for k in sorted(keys)])
                 if got != want:
-                    problems.append(f"{sid}: checksum mismatch in {name}")
+                    problems.append(f"{sid}: checksum mismatch in {where}")
         except Exception as e:  # an unreadable shard is a finding, not a crash
-            problems.append(f"{name}: unreadable ({type(e).__name__}: {e})")
-    interrupted = [p.name for p in interrupted_writes(root, referenced)]
-    orphans = sorted(shards_on_disk - referenced - set(interrupted))
+            problems.append(f"{where}: unreadable ({type(e).__name__}: {e})")
+    files.close()
+    paths, tails = interrupted_writes(root, referenced, ends)
+    interrupted = [p.name for p in paths] + [p.name for p in tails]
+    orphans = sorted(shards_on_disk - referenced - {p.name for p in paths})
     return {"store": str(root), "samples": n_ids, "shards": len(referenced),
             "tokens": int(pc.sum(index.column("num_tokens")).as_py() or 0),
             "problems": problems, "orphans": orphans, "interrupted": interrupted,
             "ok": not problems and not orphans}
 
 
-def interrupted_writes(root: str | Path, referenced: set[str] | None = None) -> list[Path]:
+def committed_ends(root: Path, index: pa.Table) -> dict[str, int]:
+    """shard name -> byte end of its last committed segment (one header read per shard)."""
+    if not index.num_rows:
+        return {}
+    last = pa.table({"shard": index.column("shard"), "seg": index.column("shard_offset")}) \
+        .group_by("shard").aggregate([("seg", "max")])
+    files = ShardFiles(Path(root) / SHARDS_DIR, max_open=8)
+    ends = {}
+    for name, off in zip(last.column("shard").to_pylist(), last.column("seg_max").to_pylist()):
+        try:
+            ends[name] = files.segment(name, off).end
+        except (StoreDamagedError, OSError):
+            continue  # damage, which verify reports; not a tail to cut
+    files.close()
+    return ends
+
+
+def interrupted_writes(root: str | Path, referenced: set[str] | None = None,
+                       ends: dict[str, int] | None = None) -> tuple[list[Path], dict[Path, int]]:
     """The leftovers of writes that never reached their commit (store/writer.py): temporary
-    files, and shards that no index part references whose temporary index part is still
-    there. They hold no committed sample: not damage, but garbage for the next exclusive
-    writer to sweep. Shards come first (removing in this order never leaves an orphan)."""
+    files, shards that no index part references whose temporary index part is still there,
+    and bytes past the last committed segment of a shard. They hold no committed sample:
+    not damage, but garbage for the next exclusive writer to sweep. Returns (files to
+    remove, shards first: removing in this order never leaves an orphan; {shard: committed
+    length} of the shards to truncate)."""
     root = Path(root)
-    if referenced is None:
-        referenced = set(read_index(root).column("shard").to_pylist())
+    if referenced is None or ends is None:
+        index = read_index(root)
+        referenced = set(index.column("shard").to_pylist())
+        ends = committed_ends(root, index)
     part_temps = {p.name for p in (root / INDEX_DIR).glob(".part-*.tmp")}
     shards = [p for p in sorted((root / SHARDS_DIR).glob("shard-*.safetensors"))
               if p.name not in referenced
               and f".part-{p.name[len('shard-'):-len('.safetensors')]}.parquet.tmp" in part_temps]
+    tails = {}
+    for name, end in sorted(ends.items()):
+        p = root / SHARDS_DIR / name
+        try:
+            if p.stat().st_size > end:
+                tails[p] = end
+        except FileNotFoundError:
+            continue
     return (shards + sorted((root / SHARDS_DIR).glob(".*.tmp"))
-            + sorted((root / INDEX_DIR).glob(".*.tmp")))
+            + sorted((root / INDEX_DIR).glob(".*.tmp"))), tails
 
 
 def check_store_whole(root: str | Path) -> dict[str, Any]:

@@ -34,34 +34,37 @@ logger = logging.getLogger(__name__)
 
 def _row_checker(root: Path, manifest):
     """check(row) -> None if the row's bytes are intact, else the reason."""
-    from safetensors import safe_open
+    from eagle_ray.store.segments import ShardFiles
 
-
-    handles: dict[str, Any] = {}
+    files = ShardFiles(root / SHARDS_DIR, max_open=8)
+    segments: dict[tuple[str, int], Any] = {}
     expected = {"aux", "final", "input_ids", "loss_mask"} | (
         {"aux_scale", "final_scale"} if manifest.dtype == "fp8_e4m3" else set())
 
-    def shard(name: str):
-        if name not in handles:
-            path = root / SHARDS_DIR / name
-            if not path.exists():
-                handles[name] = "missing shard"
+    def segment(name: str, offset: int):
+        key = (name, offset)
+        if key not in segments:
+            if not (root / SHARDS_DIR / name).exists():
+                segments[key] = "missing shard"
             else:
                 try:
-                    h = safe_open(str(path), framework="pt")
-                    handles[name] = h if set(h.keys()) == expected else "unexpected tensors"
-                except Exception as e:  # SafetensorError: truncated / overwritten
-                    handles[name] = f"unreadable shard ({e})"
-        return handles[name]
+                    seg = files.segment(name, offset)
+                    segments[key] = seg if set(seg.keys()) == expected else "unexpected tensors"
+                except Exception as e:  # truncated / overwritten
+                    segments[key] = f"unreadable shard ({e})"
+        return segments[key]
 
     def check(r: dict) -> str | None:
-        h = shard(r["shard"])
-        if isinstance(h, str):
-            return f"{h} {r['shard']}"
+        seg = segment(r["shard"], r["shard_offset"])
+        if isinstance(seg, str):
+            return f"{seg} {r['shard']}"
         a, n = r["offset"], r["num_tokens"]
-        if a < 0 or a + n > h.get_slice("input_ids").get_shape()[0]:
+        if a < 0 or a + n > seg.shape("input_ids")[0]:
             return f"rows out of bounds in {r['shard']}"
-        got = sample_checksum([tensor_bytes(h.get_slice(k)[a:a + n]) for k in sorted(expected)])
+        try:
+            got = sample_checksum([tensor_bytes(seg.rows(k, a, a + n)) for k in sorted(expected)])
+        except Exception as e:
+            return f"unreadable rows in {r['shard']} ({e})"
         return None if got == r["checksum"] else f"checksum mismatch in {r['shard']}"
 
     return check
@@ -142,6 +145,9 @@ def repair_store(root: str | Path, *, dry_run: bool = False) -> dict[str, Any]:
             p.unlink(missing_ok=True)
         fsync_dir(root / SHARDS_DIR)
         fsync_dir(root / INDEX_DIR)
+        from eagle_ray.store.writer import sweep_interrupted
+
+        report["temp_files_removed"] += sweep_interrupted(root)  # tails past the last commit
     logger.info("repair %s: kept %d samples; dropped %d duplicate and %d damaged row(s), %d "
                 "index part(s); removed %d shard(s), %d temporary file(s)", root, len(kept_ids),
                 report["duplicates_dropped"], len(report["damaged_dropped"]),

@@ -1,18 +1,27 @@
-"""Writing the hidden-state store: one shard + one index part per call, both atomic.
+"""Writing the hidden-state store: one segment + one index part per call, both atomic.
 
-Commit order (crash-safe):
-    shards/.shard-W-S.safetensors.tmp -> fsync
-    index/.part-W-S.parquet.tmp       -> fsync
-    rename -> shards/shard-W-S.safetensors
-    rename -> index/part-W-S.parquet                                   (the commit)
+A writer appends each write's shard segment to its current shard file until that file
+reaches `storage.shard_bytes` (store/segments.py), then starts a new one. Commit order
+(crash-safe):
+
+    new shard:  shards/.shard-W-S.safetensors.tmp -> fsync      (S = this write's seq)
+                index/.part-W-S.parquet.tmp       -> fsync
+                rename -> shards/shard-W-S.safetensors
+                rename -> index/part-W-S.parquet                          (the commit)
+    append:     index/.part-W-S'.parquet.tmp -> fsync
+                append the segment to shards/shard-W-S.safetensors -> fsync
+                rename -> index/part-W-S'.parquet                         (the commit)
+
 A crash (kill -9 of an actor, the node) before the commit leaves an *interrupted write*:
-temporary files, or a shard next to its still-temporary index part. Never an index row
-pointing at a partial shard. An interrupted write holds no committed sample, so it is not
-damage: readers never see it, training accepts the store, and the next exclusive writer
-(`extract`, `generate-extract`, `store repair`) removes it when it takes the store
-(`sweep_interrupted`). An orphan shard *without* its temporary part can only mean a lost
-index part, and that is damage (`store verify` fails, training refuses, `store repair`).
-W is a per-writer id, so many extractor actors write one store concurrently without locks.
+temporary files, a new shard next to its still-temporary index part, or bytes past the
+last committed segment of a shard. Never an index row pointing at a partial segment. An
+interrupted write holds no committed sample, so it is not damage: readers never see it,
+training accepts the store, and the next exclusive writer (`extract`, `generate-extract`,
+`store repair`) removes it when it takes the store (`sweep_interrupted`: temporary files
+and new shards are unlinked, tails truncated). An orphan shard *without* its temporary
+part can only mean a lost index part, and that is damage (`store verify` fails, training
+refuses, `store repair`). W is a per-writer id, so many extractor actors write one store
+concurrently without locks: a writer only ever appends to its own files.
 """
 
 from __future__ import annotations
@@ -100,7 +109,7 @@ class StaleWriterError(StoreError):
 
 class StoreWriter:
     def __init__(self, root: str | Path, manifest: StoreManifest, *, writer_id: str | None = None,
-                 compact_every: int | None = None):
+                 compact_every: int | None = None, shard_bytes: int = 1):
         from eagle_ray.store.compact import COMPACT_EVERY_PARTS
 
         self.root = open_or_create(root, manifest)
@@ -111,6 +120,10 @@ class StoreWriter:
         # Every this many commits the writer compacts the index (0: never).
         self.compact_every = COMPACT_EVERY_PARTS if compact_every is None else compact_every
         self.lease = current_lease(self.root)  # the run this writer belongs to
+        # Appends go to the current shard until it holds shard_bytes (1: a shard per write).
+        self.shard_bytes = shard_bytes
+        self._shard: Path | None = None
+        self._shard_end = 0  # bytes of the current shard that are committed
 
     def _check_lease(self) -> None:
         if self.lease is not None and current_lease(self.root) != self.lease:
@@ -121,7 +134,7 @@ class StoreWriter:
     def write_shard(self, samples: list[SampleFeatures]) -> pa.Table:
         """Write samples as one shard and commit their index rows. Returns the rows."""
         import torch
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         if not samples:
             return INDEX_SCHEMA.empty_table()
@@ -148,42 +161,67 @@ class StoreWriter:
                          "num_tokens_untruncated": s.num_tokens_untruncated, "checksum": checksum})
             offset += T
 
+        data = save(tensors, metadata={"schema_version": str(m.schema_version), "dtype": m.dtype})
         name = f"{self.writer_id}-{self.seq:05d}"
         self.seq += 1
-        shard = self.root / SHARDS_DIR / f"shard-{name}.safetensors"
+        new = self._shard is None or (self._shard_end > 0
+                                      and self._shard_end + len(data) > self.shard_bytes)
+        shard = self.root / SHARDS_DIR / f"shard-{name}.safetensors" if new else self._shard
+        start = 0 if new else self._shard_end
         part = self.root / INDEX_DIR / f"part-{name}.parquet"
         for r in rows:
             r["shard"] = shard.name
+            r["shard_offset"] = start
         table = pa.Table.from_pylist(rows, schema=INDEX_SCHEMA)
         shard_tmp = shard.with_name(f".{shard.name}.tmp")
         part_tmp = part.with_name(f".{part.name}.tmp")
+        appended = False
         try:
-            save_file(tensors, str(shard_tmp), metadata={"schema_version": str(m.schema_version),
-                                                         "dtype": m.dtype})
-            fsync_dir(shard_tmp)  # the shard's bytes
+            if new:
+                with open(shard_tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
             with open(part_tmp, "wb") as f:
                 pq.write_table(table, f)
                 f.flush()
                 os.fsync(f.fileno())
+            if not new:
+                with open(shard, "r+b") as f:
+                    f.truncate(start)  # a tail an earlier failed append may have left
+                    f.seek(start)
+                    appended = True
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
             self._check_lease()  # a writer of a stopped run must not commit over a new one
-            os.replace(shard_tmp, shard)  # both files are whole before either is renamed
-            fsync_dir(shard.parent)
+            if new:
+                os.replace(shard_tmp, shard)  # both files are whole before either is renamed
+                fsync_dir(shard.parent)
             os.replace(part_tmp, part)  # the commit point
             fsync_dir(part.parent)
             self.committed += 1
         except BaseException as e:
-            # ENOSPC and friends: leave nothing half-written. A shard whose index part did
-            # not land is garbage; remove it now rather than leave it for repair.
+            # ENOSPC and friends: leave nothing half-written. A new shard whose index part
+            # did not land is garbage, so is an appended tail; remove them now rather than
+            # leave them for repair.
             for p in (shard_tmp, part_tmp):
                 p.unlink(missing_ok=True)
             if not part.exists():
-                shard.unlink(missing_ok=True)
+                if new:
+                    shard.unlink(missing_ok=True)
+                elif appended:
+                    try:
+                        os.truncate(shard, start)
+                    except OSError:
+                        pass  # the tail stays an interrupted write for the next sweep
             if isinstance(e, OSError):
                 raise StoreWriteError(
                     f"writing {shard} failed ({e.strerror or e}); nothing of this batch was "
                     f"committed. Free space on {self.root} (or fix the file system) and re-run "
                     "`eagle-ray extract`: it resumes where it stopped") from e
             raise
+        self._shard, self._shard_end = shard, start + len(data)
         if self.compact_every and self.committed % self.compact_every == 0:
             from eagle_ray.store.compact import compact
 
@@ -204,13 +242,17 @@ def sweep_interrupted(root: str | Path) -> list[str]:
     from eagle_ray.store.reader import interrupted_writes
 
     root = Path(root)
-    paths = interrupted_writes(root)  # shards before temporary parts: a crash in between
-    for p in paths:                   # leaves a plain temporary file, still an interrupted write
-        p.unlink(missing_ok=True)
-    names = [p.name for p in paths]
+    paths, tails = interrupted_writes(root)  # shards before temporary parts: a crash in
+    for p in paths:                          # between leaves a plain temporary file, still
+        p.unlink(missing_ok=True)            # an interrupted write
+    for p, end in tails.items():  # bytes past the last committed segment
+        with open(p, "r+b") as f:
+            f.truncate(end)
+            os.fsync(f.fileno())
+    names = [p.name for p in paths] + [p.name for p in tails]
     if names:
         fsync_dir(root / SHARDS_DIR)
         fsync_dir(root / INDEX_DIR)
-        logger.info("%s: removed %d leftover file(s) of interrupted writes: %s", root, len(names),
+        logger.info("%s: removed %d leftover(s) of interrupted writes: %s", root, len(names),
                     ", ".join(names[:4]) + (" ..." if len(names) > 4 else ""))
     return names

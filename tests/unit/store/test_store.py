@@ -106,22 +106,32 @@ def test_mismatched_manifest_is_refused(tmp_path):
         HiddenStateStore(tmp_path, expect=manifest(aux_layer_ids=(1, 4, 5)))
 
 
-def test_enospc_leaves_nothing_half_written(tmp_path, monkeypatch):
-    w = StoreWriter(tmp_path, manifest())
+@pytest.mark.parametrize("shard_bytes", [1, 1 << 30], ids=["new-shard", "append"])
+def test_enospc_leaves_nothing_half_written(tmp_path, monkeypatch, shard_bytes):
+    """A full disk while the shard bytes are flushed: of a new shard file or of a segment
+    appended to the current one. Nothing of the batch stays (no file, no tail)."""
+    import os
+
+    w = StoreWriter(tmp_path, manifest(), shard_bytes=shard_bytes)
     w.write_shard(samples(2))
-    import safetensors.torch
+    size = next((tmp_path / "shards").iterdir()).stat().st_size
+    real = os.fsync
 
-    def full_disk(tensors, path, metadata=None):
-        with open(path, "wb") as f:
-            f.write(b"partial")
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def full_disk(fd):
+        if "/shards/" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    monkeypatch.setattr(os, "fsync", full_disk)
     with pytest.raises(StoreWriteError, match="No space left on device.*re-run `eagle-ray extract`"):
         w.write_shard(samples(2, seed=1))
+    monkeypatch.setattr(os, "fsync", real)
     rep = verify_store(tmp_path)
-    assert rep["ok"] and rep["samples"] == 2, rep
-    assert len(list((tmp_path / "shards").iterdir())) == 1
+    assert rep["ok"] and rep["samples"] == 2 and not rep["interrupted"], rep
+    assert [p.stat().st_size for p in (tmp_path / "shards").iterdir()] == [size]
+    assert not list((tmp_path / "index").glob(".*.tmp"))
+    w.write_shard(samples(2, seed=1))  # the disk has room again: the same writer goes on
+    assert verify_store(tmp_path)["samples"] == 4 == len(HiddenStateStore(tmp_path))
 
 
 def test_orphan_shard_and_duplicate_rows_reported(tmp_path):
