@@ -460,9 +460,9 @@ def kept_after_stop(args) -> str:
             n = len(committed_ids(out)) if (out / "manifest.json").exists() else 0
             return f"{n:,} samples committed in {out} are kept; {again}"
         if args.command == "generate":
-            from eagle_ray.generate.run import PARTS_DIR, _done_ids
+            from eagle_ray.generate.run import PARTS_DIR, done_prompts
 
-            n = len(_done_ids(out / PARTS_DIR)) if (out / PARTS_DIR).exists() else 0
+            n = len(done_prompts(out / PARTS_DIR)) if (out / PARTS_DIR).exists() else 0
             return f"{n:,} prompts generated in {out} are kept; {again}"
         if args.command == "train":
             from eagle_ray.train.checkpoint import newest_loadable

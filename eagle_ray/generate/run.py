@@ -1,13 +1,16 @@
 """Generation run: Ray Data streams prompts through a pool of vLLM replicas.
 
-    prompts.parquet ─▶ ray.data (blocks of batch_size) ─▶ map_batches(GenerateUDF, actor pool
-    min..max replicas) ─▶ driver: each finished batch -> parts/part-*.parquet (atomic)
+    prompts.parquet ─▶ read tasks (generate/prompts.py: blocks of batch_size, less the
+    prompts done) ─▶ map_batches(GenerateUDF, actor pool min..max replicas) ─▶ driver: each
+    finished batch -> parts/part-*.parquet (atomic; every 64 merged into a compact file)
                                                     ─▶ conversations.parquet + rejects.jsonl + manifest.json
 
 Resumable: a sample id that is in any part (generated or rejected) is not sent again, so a
 killed run loses at most the batches in flight; parts are renamed into place only when
-complete, so there is never a half-written one. `generation_dataset` is the library entry
-that returns the Ray Dataset for chaining into extraction without a disk round trip.
+complete, so there is never a half-written one. The driver never holds the prompt set:
+prompts are read on the workers, and resume bookkeeping is Arrow work on id columns.
+`generation_dataset` is the library entry that returns the Ray Dataset for chaining into
+extraction without a disk round trip.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from eagle_ray.targets.resolve import resolve_target_path
 from eagle_ray.targets.serving import generation_sampling, serving_profile
 from eagle_ray.generate.stage import CONVERSATIONS_SCHEMA, INPUT_COLUMNS, GenerateUDF, LoggedUDF
 from eagle_ray.common.outputs import claim_output_dir
-from eagle_ray.common.tables import read_stage_table
+from eagle_ray.common.tables import stage_file
 from eagle_ray.common.provenance import (atomic_write_bytes, atomic_write_json, atomic_write_parquet,
                                          provenance, target_fingerprint)
 
@@ -54,9 +57,19 @@ class GenerateResult:
     seconds: float
 
 
-def _read_prompts(prompts: str | Path) -> pa.Table:
-    _, table = read_stage_table(prompts, "prompts.parquet", INPUT_COLUMNS, "ingest")
-    return table.select(list(INPUT_COLUMNS))
+def prompts_file(prompts: str | Path) -> Path:
+    """The ingest output to generate from (its schema checked; no row read)."""
+    return stage_file(prompts, "prompts.parquet", INPUT_COLUMNS, "ingest")
+
+
+def prompt_rows(recipe: Recipe, prompts: Path, exclude: pa.Array | None = None,
+                limit: int | None = None):
+    """A Ray Dataset of the prompts' INPUT_COLUMNS in blocks of generate.batch_size, less the
+    ids in `exclude`, read on the workers."""
+    from eagle_ray.generate.prompts import ParquetRows, dataset
+
+    return dataset(ParquetRows([prompts], list(INPUT_COLUMNS), block_rows=recipe.generate.batch_size,
+                               exclude=exclude, limit=limit))
 
 
 def generation_params(recipe: Recipe, model_dir: Path) -> dict:
@@ -79,16 +92,20 @@ def generation_params(recipe: Recipe, model_dir: Path) -> dict:
     }
 
 
-def generation_dataset(recipe: Recipe, prompts: pa.Table, model_dir: Path):
-    """A Ray Dataset of CONVERSATIONS_SCHEMA rows for the given prompt rows (lazy, streaming)."""
+def generation_dataset(recipe: Recipe, prompts, model_dir: Path):
+    """A Ray Dataset of CONVERSATIONS_SCHEMA rows for the given prompts (lazy, streaming):
+    a Ray Dataset of prompt rows (`prompt_rows`) or, for library use, an Arrow table."""
     import ray
 
     from eagle_ray.vllm.engine import check_gpus_available, pool_kwargs
 
     g = recipe.generate
-    # One block per batch so replicas share the work from the start.
-    blocks = [prompts.slice(i, g.batch_size) for i in range(0, prompts.num_rows, g.batch_size)]
-    ds = ray.data.from_arrow(blocks or [prompts])
+    if isinstance(prompts, pa.Table):
+        # One block per batch so replicas share the work from the start.
+        blocks = [prompts.slice(i, g.batch_size) for i in range(0, prompts.num_rows, g.batch_size)]
+        ds = ray.data.from_arrow(blocks or [prompts])
+    else:
+        ds = prompts
     if g.mode == "keep_logged":
         return ds.map_batches(LoggedUDF, fn_constructor_args=(recipe, str(model_dir)),
                               compute=ray.data.ActorPoolStrategy(min_size=1, max_size=1),
@@ -107,12 +124,15 @@ DAMAGED_DIR = "damaged"  # parts/damaged/: parts that no longer read, kept for i
 
 
 def readable_parts(parts_dir: Path) -> list[Path]:
-    """The parts in parts_dir, after moving any that no longer read (truncated or overwritten
-    on disk: parts are written atomically, so only damage makes one) to parts/damaged/, with a
-    warning: their prompts are simply not done, and this run generates them again."""
-    parts = sorted(parts_dir.glob("part-*.parquet"))
+    """The live files in parts_dir (compact files, then parts no compact file replaces),
+    after moving any that no longer read (truncated or overwritten on disk: files are
+    written atomically, so only damage makes one) to parts/damaged/, with a warning: their
+    prompts are simply not done, and this run generates them again."""
+    from eagle_ray.store.compact import finish_dir, live_files
+
+    finish_dir(parts_dir)  # a compaction a crash interrupted
     good = []
-    for f in parts:
+    for f in live_files(parts_dir):
         try:
             pq.read_metadata(f)
             pq.read_table(f, columns=["sample_id"])
@@ -127,15 +147,39 @@ def readable_parts(parts_dir: Path) -> list[Path]:
     return good
 
 
-def _done_ids(parts_dir: Path) -> set[str]:
-    """Ids of the PROMPTS done in parts_dir: all completions of a prompt are written in one
-    part (one batch), so a prompt is done when any of its rows is there."""
-    from eagle_ray.data.ids import prompt_id
+def _read_part(path: Path) -> pa.Table:
+    return pq.read_table(path, schema=CONVERSATIONS_SCHEMA).replace_schema_metadata(None)
 
-    done: set[str] = set()
-    for f in readable_parts(parts_dir):
-        done.update(map(prompt_id, pq.read_table(f, columns=["sample_id"]).column("sample_id").to_pylist()))
-    return done
+
+COMPACT_GROUP = 256  # generation parts merged per compact file (~4K rows at batch_size 16)
+
+
+def compact_parts(parts_dir: Path, *, blocking: bool = True) -> int:
+    """Merge committed generation parts, COMPACT_GROUP at a time, into compact files (the
+    store index's protocol, store/compact.py: a kill -9 at any point loses or doubles no
+    row); fewer than 64 parts are left as they are. Compact files are never merged again,
+    so no compaction holds more than COMPACT_GROUP parts' rows. Blocking: until done;
+    otherwise one merge at most, skipped while another runs. Returns the parts merged."""
+    from eagle_ray.store.compact import COMPACT_EVERY_PARTS, compact_dir
+
+    merged = 0
+    while True:
+        r = compact_dir(parts_dir, _read_part, CONVERSATIONS_SCHEMA, what="generation part",
+                        blocking=blocking, min_parts=COMPACT_EVERY_PARTS, merge_compacts=False,
+                        max_inputs=COMPACT_GROUP, row_group_size=CONSOLIDATE_CHUNK)
+        if not r:
+            return merged
+        merged += r["merged"]
+        if not blocking:
+            return merged
+
+
+def done_prompts(parts_dir: Path) -> pa.Array:
+    """Ids of the PROMPTS done in parts_dir (Arrow, unique): all completions of a prompt are
+    written in one part (one batch), so a prompt is done when any of its rows is there."""
+    from eagle_ray.generate.prompts import id_column, prompt_ids
+
+    return pc.unique(prompt_ids(id_column(readable_parts(parts_dir))))
 
 
 def _check_params(out: Path, params: dict) -> None:
@@ -154,42 +198,50 @@ def _check_params(out: Path, params: dict) -> None:
 def run_generate(recipe: Recipe, prompts: str | Path, out_dir: str | Path, *,
                  limit: int | None = None) -> GenerateResult:
     """Generate conversations for every prompt not yet done in out_dir, then consolidate."""
+    from eagle_ray.generate.prompts import count_not_in, num_rows
+
     t0 = time.time()
     out = Path(out_dir)
     parts_dir = out / PARTS_DIR
-    table = _read_prompts(prompts)
-    if limit is not None:
-        table = table.slice(0, limit)
+    file = prompts_file(prompts)
+    total = num_rows(file, limit)
     model_dir = resolve_target_path(recipe.target)
     claim_output_dir(out, "generate")  # new, empty or an earlier generate output; else refused
     parts_dir.mkdir(parents=True, exist_ok=True)
     params = generation_params(recipe, model_dir)
     _check_params(out, params)
 
-    done = _done_ids(parts_dir)
-    todo = table.filter(pc.invert(pc.is_in(table.column("sample_id"), pa.array(sorted(done), pa.string()))))
-    skipped = table.num_rows - todo.num_rows
+    compact_parts(parts_dir)  # what earlier runs left as parts
+    done = done_prompts(parts_dir)
+    n_todo = count_not_in(file, done, limit)
+    skipped = total - n_todo
     logger.info("generate: %d prompts, %d already done in %s, %d to go (mode %s)",
-                table.num_rows, skipped, out, todo.num_rows, recipe.generate.mode)
+                total, skipped, out, n_todo, recipe.generate.mode)
 
     n_ok = n_rej = n_tok = 0
-    if todo.num_rows:
+    if n_todo:
         from eagle_ray.ops.cluster import init_ray
+        from eagle_ray.store.compact import COMPACT_EVERY_PARTS
 
         init_ray()
         from eagle_ray.ops.control import start_control
 
         start_control()  # `eagle-ray scale` resizes this run's pools while it runs
-        ds = generation_dataset(recipe, todo, model_dir)
+        ds = generation_dataset(recipe, prompt_rows(recipe, file, done, limit), model_dir)
+        del done
         from eagle_ray.common.progress import Progress
 
-        prog = Progress("generate", table.num_rows, unit="prompts", start=skipped,
+        prog = Progress("generate", total, unit="prompts", start=skipped,
                         interval_s=recipe.generate.progress_interval_s, logger=logger)
+        n_parts = 0
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             if batch.num_rows == 0:
                 continue
             batch = batch.cast(CONVERSATIONS_SCHEMA)
             atomic_write_parquet(parts_dir / f"part-{time.time_ns()}-{uuid.uuid4().hex[:8]}.parquet", batch)
+            n_parts += 1
+            if n_parts % COMPACT_EVERY_PARTS == 0:
+                compact_parts(parts_dir, blocking=False)
             ok = pc.equal(batch.column("status"), "ok")
             n_ok += pc.sum(ok).as_py() or 0
             n_rej += batch.num_rows - (pc.sum(ok).as_py() or 0)
@@ -199,49 +251,114 @@ def run_generate(recipe: Recipe, prompts: str | Path, out_dir: str | Path, *,
         prog.close()
     logger.info("generate: this run generated %d, rejected %d, %d completion tokens in %.1fs",
                 n_ok, n_rej, n_tok, time.time() - t0)
-    counts = consolidate(out, table, params)
-    return GenerateResult(out_dir=out, prompts=table.num_rows, generated=counts["ok"],
+    counts = consolidate(out, file, params, limit)
+    return GenerateResult(out_dir=out, prompts=total, generated=counts["ok"],
                           rejected=counts["rejected"], skipped_done=skipped,
                           completion_tokens=n_tok, seconds=time.time() - t0)
 
 
-def consolidate(out: Path, prompts: pa.Table, params: dict) -> dict[str, int]:
+CONSOLIDATE_CHUNK = 16384  # rows gathered (and written as one row group) at a time
+
+
+def _gather(files: list[Path], sel: pa.Table, columns: list[str]):
+    """Rows (`_file`, `_row`) of sel, from the part files, in sel's order, a chunk at a time
+    (an LRU of a few part files: parts hold neighbouring prompts, so each is read ~once)."""
+    from collections import OrderedDict
+
+    import numpy as np
+
+    cache: OrderedDict[int, pa.Table] = OrderedDict()
+    for lo in range(0, sel.num_rows, CONSOLIDATE_CHUNK):
+        c = sel.slice(lo, CONSOLIDATE_CHUNK)
+        fidx = c.column("_file").to_numpy()
+        rows = c.column("_row").to_numpy()
+        by_file = np.argsort(fidx, kind="stable")
+        cuts = np.flatnonzero(np.diff(fidx[by_file])) + 1
+        pieces = []
+        for grp in np.split(by_file, cuts):
+            fi = int(fidx[grp[0]])
+            t = cache.get(fi)
+            if t is None:
+                t = cache[fi] = _read_part(files[fi]).select(columns)
+                if len(cache) > 8:
+                    cache.popitem(last=False)
+            else:
+                cache.move_to_end(fi)
+            pieces.append(t.take(pa.array(rows[grp])))
+        whole = pa.concat_tables(pieces) if pieces else pa.schema(
+            [CONVERSATIONS_SCHEMA.field(n) for n in columns]).empty_table()
+        yield whole.take(pa.array(np.argsort(by_file, kind="stable")))
+
+
+def consolidate(out: Path, prompts: Path, params: dict, limit: int | None = None) -> dict[str, int]:
     """Parts -> conversations.parquet (prompt order, then completion index), rejects.jsonl,
-    manifest.json; atomic."""
-    from eagle_ray.data.ids import completion_index, prompt_id
+    manifest.json; atomic. Memory is bounded by id columns and one chunk of rows: the order
+    is computed on the sample ids, the rows are gathered from the parts chunk by chunk."""
+    import numpy as np
+
+    from eagle_ray.common.provenance import fsync_dir
+    from eagle_ray.generate.prompts import completion_indices, iter_id_chunks, prompt_ids
 
     parts = readable_parts(out / PARTS_DIR)
-    all_rows = (pa.concat_tables([pq.read_table(f, schema=CONVERSATIONS_SCHEMA) for f in parts])
-                if parts else CONVERSATIONS_SCHEMA.empty_table())
-    ids = all_rows.column("sample_id").to_pylist()
-    if len(set(ids)) != len(ids):  # cannot happen by construction; never ship duplicates
-        raise AssertionError(f"{len(ids) - len(set(ids))} duplicate sample ids across parts in {out}")
-    order = {sid: i for i, sid in enumerate(prompts.column("sample_id").to_pylist())}
-    extra = [sid for sid in ids if prompt_id(sid) not in order]
-    if extra:
-        raise ValueError(f"{out} holds {len(extra)} samples that are not in these prompts "
-                         f"(e.g. {extra[0]}); it belongs to another prompt set")
+    pieces = []
+    for fi, f in enumerate(parts):
+        t = pq.read_table(f, columns=["sample_id", "status"])
+        pieces.append(t.append_column("_file", pa.array(np.full(t.num_rows, fi, np.int32)))
+                       .append_column("_row", pa.array(np.arange(t.num_rows, dtype=np.int64))))
+    idx = (pa.concat_tables(pieces) if pieces else pa.table(
+        {"sample_id": pa.array([], pa.string()), "status": pa.array([], pa.string()),
+         "_file": pa.array([], pa.int32()), "_row": pa.array([], pa.int64())})).combine_chunks()
+    ids = idx.column("sample_id")
+    n_dup = idx.num_rows - (pc.count_distinct(ids).as_py() if idx.num_rows else 0)
+    if n_dup:  # cannot happen by construction; never ship duplicates
+        raise AssertionError(f"{n_dup} duplicate sample ids across parts in {out}")
+    order = pa.chunked_array(list(iter_id_chunks(prompts, limit)), pa.string()).combine_chunks()
+    n_prompts = len(order)
+    pos = pc.index_in(prompt_ids(ids), value_set=order)
+    if pos.null_count:
+        extra = ids.filter(pc.is_null(pos))[0].as_py()
+        raise ValueError(f"{out} holds {pos.null_count} samples that are not in these prompts "
+                         f"(e.g. {extra}); it belongs to another prompt set")
+    del order
     n = params["sampling"]["samples_per_prompt"] if params.get("sampling") else 1
     # prompt order, then completion index (ids "<prompt>#<j>")
-    rank = pa.array([order[prompt_id(sid)] * n + completion_index(sid) for sid in ids], pa.int64())
-    all_rows = all_rows.append_column("_rank", rank).sort_by("_rank").drop(["_rank"])
-    is_ok = pc.equal(all_rows.column("status"), "ok")
-    ok = all_rows.filter(is_ok)
-    rej = all_rows.filter(pc.invert(is_ok))
-    atomic_write_parquet(out / CONVERSATIONS_FILE, ok)
-    lines = [json.dumps({"sample_id": r["sample_id"], "source": r["source"], "reason": r["reason"],
-                         "message": r["message"]}, ensure_ascii=False)
-             for r in rej.select(["sample_id", "source", "reason", "message"]).to_pylist()]
+    rank = pc.add(pc.multiply(pc.cast(pos, pa.int64()), n), completion_indices(ids))
+    idx = idx.append_column("_rank", rank).sort_by("_rank")
+    is_ok = pc.equal(idx.column("status"), "ok")
+    ok_sel, rej_sel = idx.filter(is_ok), idx.filter(pc.invert(is_ok))
+
+    path = out / CONVERSATIONS_FILE
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tokens, reasons = 0, {}
+    try:
+        with open(tmp, "wb") as f:
+            with pq.ParquetWriter(f, CONVERSATIONS_SCHEMA, compression="zstd") as w:
+                if not ok_sel.num_rows:
+                    w.write_table(CONVERSATIONS_SCHEMA.empty_table())
+                for chunk in _gather(parts, ok_sel, CONVERSATIONS_SCHEMA.names):
+                    w.write_table(chunk, row_group_size=CONSOLIDATE_CHUNK)
+                    tokens += int(pc.sum(chunk.column("num_completion_tokens")).as_py() or 0)
+                    for r in pc.value_counts(chunk.column("finish_reason")).to_pylist():
+                        reasons[r["values"]] = reasons.get(r["values"], 0) + r["counts"]
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    lines = []
+    for chunk in _gather(parts, rej_sel, ["sample_id", "source", "reason", "message"]):
+        lines += [json.dumps({"sample_id": r["sample_id"], "source": r["source"],
+                              "reason": r["reason"], "message": r["message"]}, ensure_ascii=False)
+                  for r in chunk.to_pylist()]
     atomic_write_bytes(out / REJECTS_FILE, "".join(l + "\n" for l in lines).encode())
-    counts = {"prompts": prompts.num_rows, "samples_per_prompt": n, "ok": ok.num_rows,
-              "rejected": rej.num_rows, "pending": prompts.num_rows * n - all_rows.num_rows}
+    counts = {"prompts": n_prompts, "samples_per_prompt": n, "ok": ok_sel.num_rows,
+              "rejected": rej_sel.num_rows, "pending": n_prompts * n - idx.num_rows}
     import vllm  # version of the engine that produced the outputs
 
     manifest = {"schema_version": SCHEMA_VERSION, "stage": "generate", **params,
                 "vllm_version": vllm.__version__, "counts": counts,
-                "completion_tokens": int(pc.sum(ok.column("num_completion_tokens")).as_py() or 0),
-                "finish_reasons": {r["values"]: r["counts"] for r in
-                                   pc.value_counts(ok.column("finish_reason")).to_pylist()},
+                "completion_tokens": tokens, "finish_reasons": reasons,
                 "provenance": provenance()}
     atomic_write_json(out / MANIFEST_FILE, manifest)
     return counts

@@ -69,10 +69,9 @@ def read_index_part(path: Path) -> pa.Table:
                                 f"{repair_hint(path.parent.parent)}") from None
 
 
-def live_index_files(root: str | Path) -> list[Path]:
-    """The committed index files a reader must read: compact files (oldest first) then parts
-    (by name), minus every file a live compact file replaces."""
-    d = Path(root) / INDEX_DIR
+def live_files(d: Path) -> list[Path]:
+    """The committed files of directory d a reader must read: compact files (oldest first)
+    then parts (by name), minus every file a live compact file replaces."""
     compacts = sorted(d.glob("compact-*.parquet"))
     replaced: set[str] = set()
     for c in compacts:
@@ -81,10 +80,14 @@ def live_index_files(root: str | Path) -> list[Path]:
             + [p for p in sorted(d.glob("part-*.parquet")) if p.name not in replaced])
 
 
-def finish_compactions(root: str | Path) -> list[str]:
+def live_index_files(root: str | Path) -> list[Path]:
+    """The store's live index files (`live_files` of STORE/index)."""
+    return live_files(Path(root) / INDEX_DIR)
+
+
+def finish_dir(d: Path) -> list[str]:
     """Step 3 of compactions a crash interrupted: unlink files a live compact file replaces."""
-    d = Path(root) / INDEX_DIR
-    live = set(p.name for p in live_index_files(root))
+    live = set(p.name for p in live_files(d))
     gone = []
     for c in sorted(d.glob("compact-*.parquet")):
         if c.name not in live:
@@ -99,9 +102,13 @@ def finish_compactions(root: str | Path) -> list[str]:
     return gone
 
 
+def finish_compactions(root: str | Path) -> list[str]:
+    return finish_dir(Path(root) / INDEX_DIR)
+
+
 @contextmanager
-def _compaction_lock(root: Path, blocking: bool) -> Iterator[bool]:
-    d = root / INDEX_DIR
+def dir_lock(d: Path, blocking: bool) -> Iterator[bool]:
+    """One compaction at a time in d (an flock on d/.compact.lock)."""
     fd = os.open(d / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o644)
     try:
         try:
@@ -117,6 +124,10 @@ def _compaction_lock(root: Path, blocking: bool) -> Iterator[bool]:
         os.close(fd)
 
 
+def _compaction_lock(root: Path, blocking: bool):
+    return dir_lock(Path(root) / INDEX_DIR, blocking)
+
+
 def compact(root: str | Path, *, everything: bool = False, blocking: bool = True,
             min_parts: int = 2) -> dict[str, int] | None:
     """Merge committed index files (module doc). Parts are merged into one new compact file
@@ -124,38 +135,50 @@ def compact(root: str | Path, *, everything: bool = False, blocking: bool = True
     when `everything` or there are MERGE_COMPACTS_AT compact files. Returns {"merged",
     "rows"}, or None when another compaction holds the lock (blocking=False) or there was
     nothing to do."""
-    root = Path(root)
-    d = root / INDEX_DIR
-    with _compaction_lock(root, blocking) as got:
+    return compact_dir(Path(root) / INDEX_DIR, read_index_part, INDEX_SCHEMA, what="index",
+                       everything=everything, blocking=blocking, min_parts=min_parts)
+
+
+def compact_dir(d: Path, read, schema: pa.Schema, *, what: str, everything: bool = False,
+                blocking: bool = True, min_parts: int = 2, merge_compacts: bool = True,
+                max_inputs: int | None = None,
+                row_group_size: int | None = None) -> dict[str, int] | None:
+    """`compact` for any directory of committed Parquet parts (the store's index, a
+    generation run's parts): `read(path)` returns a file's rows in `schema`. Without
+    `merge_compacts` only parts are merged (compact files of heavy rows stay the size of
+    min_parts parts, so no compaction ever reads them all); `max_inputs` bounds the parts
+    one compaction merges (the oldest first)."""
+    with dir_lock(d, blocking) as got:
         if not got:
             return None
-        finish_compactions(root)
-        live = live_index_files(root)
+        finish_dir(d)
+        live = live_files(d)
         compacts = [p for p in live if p.name.startswith("compact-")]
         parts = [p for p in live if p.name.startswith("part-")]
-        if everything or len(compacts) >= MERGE_COMPACTS_AT:
+        if merge_compacts and (everything or len(compacts) >= MERGE_COMPACTS_AT):
             inputs = compacts + parts
             if len(inputs) < 2:
                 return None
         else:
             if len(parts) < min_parts:
                 return None
-            inputs = parts
+            inputs = parts[:max_inputs] if max_inputs else parts
         replaces: list[str] = []
         tables = []
         for p in inputs:
             replaces.append(p.name)
             if p.name.startswith("compact-"):
                 replaces.extend(replaced_by(p))
-            tables.append(read_index_part(p))
-        table = pa.concat_tables(tables) if tables else INDEX_SCHEMA.empty_table()
+            tables.append(read(p))
+        table = pa.concat_tables(tables) if tables else schema.empty_table()
         # Names sort by creation: a time prefix keeps "oldest first" true for readers.
         name = f"compact-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet"
         tmp = d / f".{name}.tmp"
-        schema = INDEX_SCHEMA.with_metadata({REPLACES_KEY: json.dumps(sorted(set(replaces))).encode()})
+        meta = {**(schema.metadata or {}), REPLACES_KEY: json.dumps(sorted(set(replaces))).encode()}
         try:
             with open(tmp, "wb") as f:
-                pq.write_table(table.cast(schema), f)
+                pq.write_table(table.cast(schema.with_metadata(meta)), f,
+                               row_group_size=row_group_size)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, d / name)  # the switch
@@ -163,6 +186,7 @@ def compact(root: str | Path, *, everything: bool = False, blocking: bool = True
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        finish_compactions(root)
-    logger.info("%s: compacted %d index file(s), %d rows -> %s", root, len(inputs), table.num_rows, name)
+        finish_dir(d)
+    logger.info("%s: compacted %d %s file(s), %d rows -> %s", d, len(inputs), what, table.num_rows,
+                name)
     return {"merged": len(inputs), "rows": table.num_rows}

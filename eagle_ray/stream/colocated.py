@@ -52,32 +52,49 @@ COLOCATED_SCHEMA = pa.schema([
 ])
 
 
-def colocated_input(prompts: pa.Table | None, generated: pa.Table | None) -> pa.Table:
-    """One table of COLOCATED_SCHEMA rows: already generated rows first (they need only the
-    capture), then prompt rows."""
-    parts = []
-    if generated is not None and generated.num_rows:
-        n = generated.num_rows
-        parts.append(pa.table({
-            "sample_id": generated.column("sample_id"), "source": generated.column("source"),
-            "messages": pa.nulls(n, pa.string()), "reference": pa.nulls(n, pa.string()),
-            "prompt_token_ids": generated.column("prompt_token_ids"),
-            "completion_token_ids": generated.column("completion_token_ids")}).cast(COLOCATED_SCHEMA))
-    if prompts is not None and prompts.num_rows:
-        n = prompts.num_rows
-        parts.append(pa.table({
-            "sample_id": prompts.column("sample_id"), "source": prompts.column("source"),
-            "messages": prompts.column("messages"), "reference": prompts.column("reference"),
-            "prompt_token_ids": pa.nulls(n, pa.list_(pa.int32())),
-            "completion_token_ids": pa.nulls(n, pa.list_(pa.int32()))}).cast(COLOCATED_SCHEMA))
-    return pa.concat_tables(parts) if parts else COLOCATED_SCHEMA.empty_table()
+def _generated_rows(generated: pa.Table) -> pa.Table:
+    """Already generated rows (extraction's columns) as COLOCATED_SCHEMA: only the capture."""
+    n = generated.num_rows
+    return pa.table({
+        "sample_id": generated.column("sample_id"), "source": generated.column("source"),
+        "messages": pa.nulls(n, pa.string()), "reference": pa.nulls(n, pa.string()),
+        "prompt_token_ids": generated.column("prompt_token_ids"),
+        "completion_token_ids": generated.column("completion_token_ids")}).cast(COLOCATED_SCHEMA)
+
+
+def _prompt_rows(prompts: pa.Table) -> pa.Table:
+    """Prompt rows as COLOCATED_SCHEMA (no tokens yet: generate, then capture)."""
+    n = prompts.num_rows
+    return pa.table({
+        "sample_id": prompts.column("sample_id"), "source": prompts.column("source"),
+        "messages": prompts.column("messages"), "reference": prompts.column("reference"),
+        "prompt_token_ids": pa.nulls(n, pa.list_(pa.int32())),
+        "completion_token_ids": pa.nulls(n, pa.list_(pa.int32()))}).cast(COLOCATED_SCHEMA)
+
+
+def colocated_input(recipe, prompts: Path, done: pa.Array, leftover=None):
+    """A Ray Dataset of COLOCATED_SCHEMA rows in blocks of generate.batch_size: rows already
+    generated (`leftover`, a generate.prompts.ParquetRows of parts) first, they need only the
+    capture; then the prompts not in `done`. Read on the workers."""
+    from eagle_ray.generate.prompts import ParquetRows, count_not_in, dataset
+    from eagle_ray.generate.stage import INPUT_COLUMNS
+
+    streams = []
+    if leftover is not None:
+        leftover.block_rows, leftover.convert = recipe.generate.batch_size, _generated_rows
+        streams.append(dataset(leftover))
+    if count_not_in(prompts, done):
+        streams.append(dataset(ParquetRows([prompts], list(INPUT_COLUMNS),
+                                           block_rows=recipe.generate.batch_size, exclude=done,
+                                           convert=_prompt_rows)))
+    return streams[0] if len(streams) == 1 else streams[0].union(streams[1])
 
 
 class ColocatedUDF(_Regenerate):
     """Ray Data actor: one capture engine that generates too, a parts writer, a store writer."""
 
     def __init__(self, recipe, model_path: str, parts_dir: str, store_dir: str, manifest,
-                 skip: frozenset = frozenset()):
+                 skip: pa.Array | None = None):
         super().__init__(recipe, model_path)
         self.skip = skip
         from eagle_ray.extract.stage import ExtractUDF, make_backend
@@ -124,17 +141,14 @@ class ColocatedUDF(_Regenerate):
         return self.extract(generated)
 
 
-def colocated_dataset(recipe, table: pa.Table, parts_dir: Path, store_dir: Path,
-                      model_dir: Path, manifest, skip: frozenset = frozenset()):
-    """A lazy Ray Dataset of committed index rows: one pool of colocated replicas, with the
-    generation pool's bounds and resources (the replica is the target's one placement)."""
-    import ray
-
+def colocated_dataset(recipe, ds, parts_dir: Path, store_dir: Path,
+                      model_dir: Path, manifest, skip: pa.Array | None = None):
+    """A lazy Ray Dataset of committed index rows from a dataset of COLOCATED_SCHEMA rows
+    (`colocated_input`): one pool of colocated replicas, with the generation pool's bounds
+    and resources (the replica is the target's one placement)."""
     from eagle_ray.vllm.engine import check_gpus_available, pool_kwargs
 
     g = recipe.generate
-    blocks = [table.slice(i, g.batch_size) for i in range(0, table.num_rows, g.batch_size)]
-    ds = ray.data.from_arrow(blocks or [table])
     check_gpus_available(recipe, g.gpus_per_replica)
     return ds.map_batches(
         ColocatedUDF, fn_constructor_args=(recipe, str(model_dir), str(parts_dir),

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 
-def write_part(batch: pa.Table, parts_dir: str, skip: frozenset | None = None) -> pa.Table:
+def write_part(batch: pa.Table, parts_dir: str, skip: pa.Array | None = None) -> pa.Table:
     """Ray Data task: write one generated batch as a part (atomic); return its ok rows,
     reduced to the columns extraction reads, less `skip` (samples already in the store whose
     part was lost: generated again for the record, not extracted twice)."""
@@ -28,6 +28,6 @@ def write_part(batch: pa.Table, parts_dir: str, skip: frozenset | None = None) -
     batch = batch.cast(CONVERSATIONS_SCHEMA)
     atomic_write_parquet(Path(parts_dir) / f"part-{time.time_ns()}-{uuid.uuid4().hex[:8]}.parquet", batch)
     ok = pc.equal(batch.column("status"), "ok")
-    if skip:
-        ok = pc.and_(ok, pc.invert(pc.is_in(batch.column("sample_id"), pa.array(sorted(skip), pa.string()))))
+    if skip is not None and len(skip):
+        ok = pc.and_(ok, pc.invert(pc.is_in(batch.column("sample_id"), value_set=skip)))
     return batch.filter(ok).select(list(INPUT_COLUMNS))
