@@ -58,11 +58,13 @@ def replaced_by(path: Path) -> list[str]:
 
 def read_index_part(path: Path) -> pa.Table:
     """One index file's rows in INDEX_SCHEMA. A file written before shards held several
-    segments has no `shard_offset`: each of its shards is one segment at byte 0."""
+    segments has no `shard_offset` / `segment_bytes`: each of its shards is one segment at
+    byte 0, the whole file (-1)."""
     try:
         t = pq.read_table(path)
-        if "shard_offset" not in t.column_names:
-            t = t.append_column("shard_offset", pa.array(np.zeros(t.num_rows, np.int64)))
+        for name, value in (("shard_offset", 0), ("segment_bytes", -1)):
+            if name not in t.column_names:
+                t = t.append_column(name, pa.array(np.full(t.num_rows, value, np.int64)))
         return t.select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA).replace_schema_metadata(None)
     except (OSError, ValueError, KeyError, pa.ArrowException) as e:  # truncated / overwritten parquet
         raise StoreDamagedError(f"index part {path} is unreadable ({e}); "

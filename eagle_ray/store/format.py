@@ -29,6 +29,7 @@ import pyarrow as pa
 
 SCHEMA_VERSION = 1
 MANIFEST_FILE = "manifest.json"
+DROPPED_FILE = "dropped.json"  # byte ranges of shards `store repair` dropped (not lost parts)
 SHARDS_DIR = "shards"
 INDEX_DIR = "index"
 
@@ -40,6 +41,7 @@ INDEX_SCHEMA = pa.schema([
     pa.field("source", pa.string()),
     pa.field("shard", pa.string(), nullable=False),          # file name under shards/
     pa.field("shard_offset", pa.int64(), nullable=False),    # byte offset of the segment
+    pa.field("segment_bytes", pa.int64(), nullable=False),   # its length; -1: the whole file
     pa.field("offset", pa.int64(), nullable=False),          # first token row in the shard
     pa.field("num_tokens", pa.int32(), nullable=False),      # after end-truncation
     pa.field("num_loss_tokens", pa.int32(), nullable=False),

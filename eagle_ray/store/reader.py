@@ -21,9 +21,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from eagle_ray.store.compact import read_index_part
-from eagle_ray.store.format import (INDEX_DIR, INDEX_SCHEMA, MANIFEST_FILE, SCHEMA_VERSION,
-                                    SHARDS_DIR, StoreDamagedError, StoreError, StoreManifest,
-                                    repair_hint, sample_checksum, tensor_bytes)
+from eagle_ray.store.format import (DROPPED_FILE, INDEX_DIR, INDEX_SCHEMA, MANIFEST_FILE,
+                                    SCHEMA_VERSION, SHARDS_DIR, StoreDamagedError, StoreError,
+                                    StoreManifest, repair_hint, sample_checksum, tensor_bytes)
 from eagle_ray.store.segments import ShardFiles
 
 
@@ -179,26 +179,30 @@ def verify_store(root: str | Path, *, checksums: bool = True) -> dict[str, Any]:
     expected_keys = {"aux", "final", "input_ids", "loss_mask"} | (
         {"aux_scale", "final_scale"} if manifest.dtype == "fp8_e4m3" else set())
     files = ShardFiles(root / SHARDS_DIR, max_open=8)
-    ends: dict[str, int] = {}  # shard -> end of its last committed segment
     offsets = index.column("offset").to_numpy()
     ntok = index.column("num_tokens").to_numpy().astype(np.int64)
     # Rows grouped by (shard, segment) with Arrow (a million rows: no Python object per row).
     groups = (pa.table({"shard": index.column("shard"), "seg": index.column("shard_offset"),
+                        "len": index.column("segment_bytes"),
                         "row": pa.array(np.arange(index.num_rows, dtype=np.int64))})
-              .group_by(["shard", "seg"]).aggregate([("row", "list")])
+              .group_by(["shard", "seg", "len"]).aggregate([("row", "list")])
               .sort_by([("shard", "ascending"), ("seg", "ascending")]))
     referenced = set(pc.unique(index.column("shard")).to_pylist()) if index.num_rows else set()
     for name in sorted(referenced - shards_on_disk):
         problems.append(f"index references missing shard {name}")
-    for name, seg_off, rows in zip(groups.column("shard").to_pylist(), groups.column("seg").to_pylist(),
-                                   groups.column("row_list").to_numpy(zero_copy_only=False)):
+    for name, seg_off, seg_len, rows in zip(
+            groups.column("shard").to_pylist(), groups.column("seg").to_pylist(),
+            groups.column("len").to_pylist(), groups.column("row_list").to_numpy(zero_copy_only=False)):
         if name not in shards_on_disk:
             continue
         rows = np.asarray(rows, np.int64)
         where = f"{name}" + (f" @ byte {seg_off}" if seg_off else "")
         try:
             seg = files.segment(name, seg_off)
-            ends[name] = max(ends.get(name, 0), seg.end)
+            if seg_len >= 0 and seg.end != seg_off + seg_len:
+                problems.append(f"{where}: the segment ends at byte {seg.end}, the index says "
+                                f"{seg_off + seg_len}")
+                continue
             keys = set(seg.keys())
             if keys != expected_keys:
                 problems.append(f"{where}: tensors {sorted(keys)} != expected {sorted(expected_keys)}")
@@ -225,7 +229,9 @@ def verify_store(root: str | Path, *, checksums: bool = True) -> dict[str, Any]:
         except Exception as e:  # an unreadable shard is a finding, not a crash
             problems.append(f"{where}: unreadable ({type(e).__name__}: {e})")
     files.close()
-    paths, tails = interrupted_writes(root, referenced, ends)
+    lay = layout(root, index)
+    problems += lay.problems
+    paths, tails = interrupted_writes(root, referenced, lay)
     interrupted = [p.name for p in paths] + [p.name for p in tails]
     orphans = sorted(shards_on_disk - referenced - {p.name for p in paths})
     return {"store": str(root), "samples": n_ids, "shards": len(referenced),
@@ -234,48 +240,107 @@ def verify_store(root: str | Path, *, checksums: bool = True) -> dict[str, Any]:
             "ok": not problems and not orphans}
 
 
-def committed_ends(root: Path, index: pa.Table) -> dict[str, int]:
-    """shard name -> byte end of its last committed segment (one header read per shard)."""
+@dataclasses.dataclass
+class Layout:
+    """How the committed segments cover each shard file (`layout`)."""
+
+    problems: list[str]             # gaps (lost index parts), overlaps, truncated shards
+    tails: dict[str, int]           # shard -> committed length, where the file is longer
+    gaps: dict[str, list[list[int]]]  # shard -> [start, end) byte ranges no row references
+
+
+def _writer_of(name: str, prefix: str, suffix: str) -> str:
+    return name[len(prefix):-len(suffix)].rsplit("-", 1)[0]
+
+
+def read_dropped(root: Path) -> dict[str, list[list[int]]]:
+    path = Path(root) / DROPPED_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def layout(root: str | Path, index: pa.Table | None = None) -> Layout:
+    """Check, from the index alone (Arrow; one stat per shard), that each shard is its
+    committed segments back to back: a gap is bytes no committed write owns, i.e. a lost
+    index part (damage), unless `store repair` dropped them (STORE/dropped.json). Bytes past
+    the last committed segment are an interrupted write when the shard's writer left a
+    temporary index part (store/writer.py), else a lost index part too."""
+    root = Path(root)
+    index = read_index(root) if index is None else index
+    problems: list[str] = []
+    tails: dict[str, int] = {}
+    gaps: dict[str, list[list[int]]] = {}
     if not index.num_rows:
-        return {}
-    last = pa.table({"shard": index.column("shard"), "seg": index.column("shard_offset")}) \
-        .group_by("shard").aggregate([("seg", "max")])
-    files = ShardFiles(Path(root) / SHARDS_DIR, max_open=8)
-    ends = {}
-    for name, off in zip(last.column("shard").to_pylist(), last.column("seg_max").to_pylist()):
+        return Layout(problems, tails, gaps)
+    segs = (pa.table({"shard": index.column("shard"), "off": index.column("shard_offset"),
+                      "len": index.column("segment_bytes")})
+            .group_by(["shard", "off", "len"]).aggregate([])
+            .sort_by([("shard", "ascending"), ("off", "ascending")]))
+    enc = pc.dictionary_encode(segs.column("shard")).combine_chunks()
+    names = enc.dictionary.to_pylist()
+    code = enc.indices.to_numpy().astype(np.int64)
+    sizes = np.full(len(names), -1, np.int64)
+    for i, name in enumerate(names):
         try:
-            ends[name] = files.segment(name, off).end
-        except (StoreDamagedError, OSError):
-            continue  # damage, which verify reports; not a tail to cut
-    files.close()
-    return ends
+            sizes[i] = (root / SHARDS_DIR / name).stat().st_size
+        except FileNotFoundError:
+            pass  # verify names the missing shard
+    off = segs.column("off").to_numpy()
+    ln = segs.column("len").to_numpy()
+    end = np.where(ln < 0, sizes[code], off + ln)  # -1: the whole file (one segment)
+    first = np.ones(len(code), bool)
+    first[1:] = code[1:] != code[:-1]
+    start = np.where(first, 0, np.concatenate([[0], end[:-1]]))
+    dropped = read_dropped(root)
+
+    def covered(name: str, a: int, b: int) -> bool:
+        return any(x <= a and b <= y for x, y in dropped.get(name, []))
+
+    for i in np.flatnonzero(off != start):
+        name = names[code[i]]
+        if off[i] < start[i]:
+            problems.append(f"{name}: segments overlap at byte {off[i]}")
+        elif not covered(name, int(start[i]), int(off[i])):
+            gaps.setdefault(name, []).append([int(start[i]), int(off[i])])
+    last = np.flatnonzero(np.append(code[1:] != code[:-1], True))
+    temp_writers = {_writer_of(p.name, ".part-", ".parquet.tmp")
+                    for p in (root / INDEX_DIR).glob(".part-*.parquet.tmp")}
+    for i in last:
+        name, size, e = names[code[i]], int(sizes[code[i]]), int(end[i])
+        if size < 0:
+            continue
+        if size < e:
+            problems.append(f"{name}: {size} bytes, its committed segments end at byte {e} "
+                            "(truncated)")
+        elif size > e:
+            if _writer_of(name, "shard-", ".safetensors") in temp_writers:
+                tails[name] = e
+            elif not covered(name, e, size):
+                gaps.setdefault(name, []).append([e, size])
+    for name, rs in gaps.items():
+        for a, b in rs:
+            problems.append(f"{name}: bytes [{a}, {b}) belong to no committed write (a lost "
+                            "index part)")
+    return Layout(problems, tails, gaps)
 
 
 def interrupted_writes(root: str | Path, referenced: set[str] | None = None,
-                       ends: dict[str, int] | None = None) -> tuple[list[Path], dict[Path, int]]:
+                       lay: Layout | None = None) -> tuple[list[Path], dict[Path, int]]:
     """The leftovers of writes that never reached their commit (store/writer.py): temporary
     files, shards that no index part references whose temporary index part is still there,
-    and bytes past the last committed segment of a shard. They hold no committed sample:
-    not damage, but garbage for the next exclusive writer to sweep. Returns (files to
-    remove, shards first: removing in this order never leaves an orphan; {shard: committed
-    length} of the shards to truncate)."""
+    and bytes past the last committed segment of a shard whose writer left a temporary part.
+    They hold no committed sample: not damage, but garbage for the next exclusive writer to
+    sweep. Returns (files to remove, shards first: removing in this order never leaves an
+    orphan; {shard: committed length} of the shards to truncate, before the removals)."""
     root = Path(root)
-    if referenced is None or ends is None:
+    if referenced is None or lay is None:
         index = read_index(root)
         referenced = set(index.column("shard").to_pylist())
-        ends = committed_ends(root, index)
+        lay = layout(root, index)
     part_temps = {p.name for p in (root / INDEX_DIR).glob(".part-*.tmp")}
     shards = [p for p in sorted((root / SHARDS_DIR).glob("shard-*.safetensors"))
               if p.name not in referenced
               and f".part-{p.name[len('shard-'):-len('.safetensors')]}.parquet.tmp" in part_temps]
-    tails = {}
-    for name, end in sorted(ends.items()):
-        p = root / SHARDS_DIR / name
-        try:
-            if p.stat().st_size > end:
-                tails[p] = end
-        except FileNotFoundError:
-            continue
+    tails = {root / SHARDS_DIR / name: end for name, end in sorted(lay.tails.items())}
     return (shards + sorted((root / SHARDS_DIR).glob(".*.tmp"))
             + sorted((root / INDEX_DIR).glob(".*.tmp"))), tails
 

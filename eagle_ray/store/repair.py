@@ -8,6 +8,9 @@ Under the store's exclusive lock (no extraction may run meanwhile):
     4. rewrite each index part that loses rows (tmp -> fsync -> rename; an emptied part is
        unlinked), so the index never points at anything removed in step 5
     5. remove shards no kept row points at (orphans, damaged shards) and temporary files
+    6. bytes of a shard no kept row owns (a lost index part, all of a segment's samples
+       dropped): cut off at the end of the shard, recorded in STORE/dropped.json elsewhere,
+       so verify knows them from a lost part
 
 Every step is a single atomic rename or unlink; a repair killed at any point leaves a
 store whose index is consistent, and running repair again finishes the job. Dropped
@@ -70,6 +73,33 @@ def _row_checker(root: Path, manifest):
     return check
 
 
+def _settle_layout(root: Path) -> int:
+    """Step 6; returns the bytes dropped. Runs after every temporary file is gone, so each
+    gap or tail the layout finds is owned by no write at all."""
+    from eagle_ray.common.provenance import atomic_write_json
+    from eagle_ray.store.format import DROPPED_FILE
+    from eagle_ray.store.reader import layout, read_dropped
+
+    lay = layout(root)
+    dropped = read_dropped(root)
+    total = 0
+    for name, ranges in lay.gaps.items():
+        path = root / SHARDS_DIR / name
+        size = path.stat().st_size
+        for a, b in ranges:
+            total += b - a
+            if b == size:
+                with open(path, "r+b") as f:
+                    f.truncate(a)
+                    os.fsync(f.fileno())
+            else:
+                dropped.setdefault(name, []).append([a, b])
+    dropped = {k: v for k, v in dropped.items() if (root / SHARDS_DIR / k).exists()}
+    if dropped != read_dropped(root):
+        atomic_write_json(root / DROPPED_FILE, dropped)
+    return total
+
+
 def _rewrite_part(path: Path, table: pa.Table) -> None:
     if table.num_rows == 0:
         path.unlink()
@@ -96,7 +126,8 @@ def repair_store(root: str | Path, *, dry_run: bool = False) -> dict[str, Any]:
         referenced: set[str] = set()
         report: dict[str, Any] = {"store": str(root), "dry_run": dry_run, "duplicates_dropped": 0,
                                   "damaged_dropped": [], "parts_dropped": [], "parts_rewritten": [],
-                                  "shards_removed": [], "temp_files_removed": []}
+                                  "shards_removed": [], "temp_files_removed": [],
+                                  "bytes_dropped": 0}
         rewrites: list[tuple[Path, pa.Table | None]] = []
         from eagle_ray.store.compact import finish_compactions, live_index_files
 
@@ -145,9 +176,7 @@ def repair_store(root: str | Path, *, dry_run: bool = False) -> dict[str, Any]:
             p.unlink(missing_ok=True)
         fsync_dir(root / SHARDS_DIR)
         fsync_dir(root / INDEX_DIR)
-        from eagle_ray.store.writer import sweep_interrupted
-
-        report["temp_files_removed"] += sweep_interrupted(root)  # tails past the last commit
+        report["bytes_dropped"] = _settle_layout(root)
     logger.info("repair %s: kept %d samples; dropped %d duplicate and %d damaged row(s), %d "
                 "index part(s); removed %d shard(s), %d temporary file(s)", root, len(kept_ids),
                 report["duplicates_dropped"], len(report["damaged_dropped"]),

@@ -172,6 +172,7 @@ class StoreWriter:
         for r in rows:
             r["shard"] = shard.name
             r["shard_offset"] = start
+            r["segment_bytes"] = len(data)
         table = pa.Table.from_pylist(rows, schema=INDEX_SCHEMA)
         shard_tmp = shard.with_name(f".{shard.name}.tmp")
         part_tmp = part.with_name(f".{part.name}.tmp")
@@ -205,16 +206,15 @@ class StoreWriter:
             # ENOSPC and friends: leave nothing half-written. A new shard whose index part
             # did not land is garbage, so is an appended tail; remove them now rather than
             # leave them for repair.
+            if not part.exists() and not new and appended:
+                try:  # before the temporary part goes: a tail without one reads as damage
+                    os.truncate(shard, start)
+                except OSError:
+                    pass  # the tail stays an interrupted write for the next sweep
             for p in (shard_tmp, part_tmp):
                 p.unlink(missing_ok=True)
-            if not part.exists():
-                if new:
-                    shard.unlink(missing_ok=True)
-                elif appended:
-                    try:
-                        os.truncate(shard, start)
-                    except OSError:
-                        pass  # the tail stays an interrupted write for the next sweep
+            if not part.exists() and new:
+                shard.unlink(missing_ok=True)
             if isinstance(e, OSError):
                 raise StoreWriteError(
                     f"writing {shard} failed ({e.strerror or e}); nothing of this batch was "
@@ -242,13 +242,13 @@ def sweep_interrupted(root: str | Path) -> list[str]:
     from eagle_ray.store.reader import interrupted_writes
 
     root = Path(root)
-    paths, tails = interrupted_writes(root)  # shards before temporary parts: a crash in
-    for p in paths:                          # between leaves a plain temporary file, still
-        p.unlink(missing_ok=True)            # an interrupted write
-    for p, end in tails.items():  # bytes past the last committed segment
+    paths, tails = interrupted_writes(root)
+    for p, end in tails.items():  # first: a tail whose temporary part is gone reads as damage
         with open(p, "r+b") as f:
             f.truncate(end)
             os.fsync(f.fileno())
+    for p in paths:  # shards before temporary parts: a crash in between leaves a plain
+        p.unlink(missing_ok=True)  # temporary file, still an interrupted write
     names = [p.name for p in paths] + [p.name for p in tails]
     if names:
         fsync_dir(root / SHARDS_DIR)
