@@ -7,7 +7,8 @@ Store: built with the project's StoreWriter (tiny hidden size and 4 tokens per s
 1M samples are ~0.2 GB; `--per-write` samples per write as `extract.batch_size`, one index
 part per write, as extraction commits them; `--shard-bytes` as storage.shard_bytes, default
 the recipes' 2 GiB; 1 gives the one-shard-per-write layout), optionally index-compacted
-(`store compact`), then timed in a fresh process (peak RSS is that process's): read_index,
+(`store compact`; without it the index is as extraction leaves it: the writer merges
+its parts every 64 commits), then timed in a fresh process (peak RSS is that process's): read_index,
 HiddenStateStore open, check_store_whole, verify without checksums, and the training plan
 (sample lengths + micro-batches).
 
@@ -43,8 +44,8 @@ def build(root: Path, n: int, per_write: int, shard_bytes: int) -> None:
     m = StoreManifest(target_path="t", target_revision=None, target_fingerprint="fp",
                       architecture="Llama", hidden_size=H, num_layers=8, vocab_size=100,
                       aux_layer_ids=(2, 4, 5), dtype="bf16", max_seq_len=64, tokenizer_fingerprint="tok")
-    # the layout as extraction leaves it before compaction
-    w = StoreWriter(root, m, compact_every=0, shard_bytes=shard_bytes)
+    # the layout as extraction leaves it: the writer compacts its index every 64 commits
+    w = StoreWriter(root, m, shard_bytes=shard_bytes)
     aux, fin = torch.zeros(T, A * H), torch.zeros(T, H)
     ids, mask = np.arange(T, dtype=np.int32), np.ones(T, bool)
     for lo in range(0, n, per_write):
@@ -101,12 +102,17 @@ def build_generation(root: Path, n: int) -> None:
     tokens = list(range(64))
     for lo in range(0, n // 2, GEN_BATCH):
         k = min(GEN_BATCH, n // 2 - lo)
-        t = pa.table({"sample_id": ids[lo:lo + k], "source": ["bench"] * k, "status": ["ok"] * k,
-                      "reason": pa.nulls(k, pa.string()), "message": pa.nulls(k, pa.string()),
-                      "prompt_token_ids": [tokens[:16]] * k, "completion_token_ids": [tokens] * k,
-                      "num_completion_tokens": [64] * k, "finish_reason": ["stop"] * k},
+        cols = {"sample_id": ids[lo:lo + k], "source": ["bench"] * k, "status": ["ok"] * k,
+                "origin": ["regenerated"] * k, "messages": msgs[lo:lo + k],
+                "completion_text": ["a completion"] * k, "content": ["a completion"] * k,
+                "prompt_token_ids": [tokens[:16]] * k, "completion_token_ids": [tokens] * k,
+                "num_prompt_tokens": [16] * k, "num_completion_tokens": [64] * k,
+                "num_tokens": [80] * k, "num_loss_tokens": [64] * k, "truncated": [False] * k,
+                "finish_reason": ["stop"] * k}
+        t = pa.table({f.name: cols.get(f.name, pa.nulls(k, f.type)) for f in CONVERSATIONS_SCHEMA},
                      schema=CONVERSATIONS_SCHEMA)
         pq.write_table(t, parts / f"part-{lo:012d}.parquet", compression="zstd")
+    (root / "built").write_text("")
 
 
 def measure_generation(root: str) -> None:
@@ -148,6 +154,7 @@ def main() -> None:
     p.add_argument("--shard-bytes", type=int, default=2 * 1024 ** 3)
     p.add_argument("--compact", action="store_true", help="compact each store's index first")
     p.add_argument("--no-generation", action="store_true", help="the store columns only")
+    p.add_argument("--build-only", action="store_true", help="build what is missing, measure nothing")
     p.add_argument("--measure", help=argparse.SUPPRESS)
     p.add_argument("--measure-generation", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -158,10 +165,19 @@ def main() -> None:
     rows = []
     for n in (int(x) for x in a.sizes.split(",")):
         root = Path(a.dir) / f"store-{n}-{a.per_write}-{a.shard_bytes}"
-        if not (root / "index").exists() or len(list((root / "index").iterdir())) == 0:
+        if not (root / "built").exists():
+            import shutil
+
+            shutil.rmtree(root, ignore_errors=True)  # a build that was cut short
             t = time.perf_counter()
             build(root, n, a.per_write, a.shard_bytes)
+            (root / "built").write_text("")
             print(f"built {n:,} samples in {time.perf_counter() - t:.0f}s", file=sys.stderr)
+        if a.build_only:
+            groot = Path(a.dir) / f"generation-{n}"
+            if not a.no_generation and not (groot / "built").exists():
+                build_generation(groot, n)
+            continue
         if a.compact:
             from eagle_ray.store.compact import compact
 
@@ -174,7 +190,7 @@ def main() -> None:
         g = None
         if not a.no_generation:
             groot = Path(a.dir) / f"generation-{n}"
-            if not (groot / "prompts.parquet").exists():
+            if not (groot / "built").exists():
                 t = time.perf_counter()
                 build_generation(groot, n)
                 print(f"built {n:,} prompts in {time.perf_counter() - t:.0f}s", file=sys.stderr)
@@ -182,8 +198,10 @@ def main() -> None:
                 [sys.executable, __file__, "--measure-generation", str(groot)], check=True,
                 capture_output=True, text=True).stdout.strip().splitlines()[-1])
         rows.append((n, files, r, g))
+    if a.build_only:
+        return
     print(f"\nstore: shard_bytes {a.shard_bytes:,}, {a.per_write} samples per write"
-          f"{', index compacted' if a.compact else ''}\n")
+          f"{', index compacted by store compact' if a.compact else ', writers compact every 64 commits'}\n")
     print("| samples | files | read_index s | open s | check_store_whole s | verify (no checksums) s "
           "| training plan s | peak RSS MB |\n|---|---|---|---|---|---|---|---|")
     for n, files, r, _ in rows:

@@ -249,12 +249,16 @@ def cmd_check(args) -> int:
 def cmd_store_verify(args) -> int:
     from eagle_ray.store.reader import verify_store
 
-    rep = verify_store(args.store)
+    rep = verify_store(args.store, checksums=not args.no_checksums)
     if args.json:
         print(json.dumps(rep, indent=2))
     else:
         print(f"{rep['store']}: {rep['samples']:,} samples, {rep['tokens']:,} tokens in "
               f"{rep['shards']:,} shards")
+        how = ("structure and segment headers, no checksums" if args.no_checksums else
+               f"checksums of {rep['bytes_hashed'] / 1e9:,.2f} GB at "
+               f"{rep['bytes_hashed'] / 1e9 / max(rep['seconds'], 1e-9):,.2f} GB/s")
+        print(f"verified in {rep['seconds']:.2f}s ({how})")
         for p in rep["problems"]:
             print(f"PROBLEM {p}")
         for o in rep["orphans"]:
@@ -423,6 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     v = store_sub.add_parser("verify", help="check every shard against the index; non-zero exit on problems")
     v.add_argument("store")
     v.add_argument("--json", action="store_true")
+    v.add_argument("--no-checksums", action="store_true",
+                   help="structure and segment headers only (seconds for any size)")
     v.set_defaults(fn=cmd_store_verify)
     r = store_sub.add_parser("repair", help="drop duplicate commits (keeping one verified copy), "
                              "damaged samples, orphan shards and temp files")

@@ -169,3 +169,30 @@ def test_a_lost_index_part_inside_a_shard_is_damage_and_repair_is_the_way_back(t
     rep = verify_store(tmp_path)
     assert rep["ok"] and rep["samples"] == 8, rep
     _assert_reads_back(tmp_path, samples(2, seed=0) + samples(2, seed=2) + redo)
+
+
+def test_the_structural_check_needs_no_header_and_still_finds_truncation(tmp_path):
+    """check_store_whole (what training runs first) reads the index and stats the shards:
+    a truncated shard and a row that points past its segment are found without a header."""
+    import pyarrow as pa
+
+    from eagle_ray.store.format import StoreDamagedError
+
+    w = StoreWriter(tmp_path, manifest(), compact_every=0, shard_bytes=1 << 30)
+    for k in range(3):
+        w.write_shard(samples(2, seed=k))
+    shard = next((tmp_path / "shards").iterdir())
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-10])
+    with pytest.raises(StoreDamagedError, match="truncated"):
+        check_store_whole(tmp_path)
+    shard.write_bytes(data)
+    assert check_store_whole(tmp_path)["samples"] == 6
+    part = sorted((tmp_path / "index").glob("part-*.parquet"))[0]
+    t = pq.read_table(part)
+    off = t.column("offset").to_pylist()
+    off[-1] += 1000  # an index row past the end of its segment
+    pq.write_table(t.set_column(t.schema.get_field_index("offset"), "offset",
+                                pa.array(off, pa.int64())), part)
+    with pytest.raises(StoreDamagedError, match="do not fit its segment"):
+        check_store_whole(tmp_path)
