@@ -66,7 +66,7 @@ def cmd_ingest(args) -> int:
     from eagle_ray.data.tokenize import length_annotator
 
     sources = [SourceSpec.parse(s) for s in args.input]
-    annotate = None if args.no_lengths else length_annotator(_recipe(args))
+    annotate = None if args.no_lengths else length_annotator(_recipe(args), workers=args.token_workers)
     res = ingest(sources, args.out, seed=args.seed, annotate=annotate)  # progress: logging
     for src, c in res.per_source.items():
         print(f"{src}: " + ", ".join(f"{k} {v:,}" for k, v in c.items()))
@@ -329,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-lengths", action="store_true",
                    help="skip token counting (stats and plan then need a later stage's table)")
+    p.add_argument("--token-workers", type=int, default=None, metavar="N",
+                   help="count tokens on N Ray tokenizer actors (default: the connected cluster's "
+                        "CPUs for large inputs, else this process)")
     _add_recipe_args(p)
     p.set_defaults(fn=cmd_ingest)
 

@@ -52,25 +52,39 @@ def _eos_strings(tokenizer) -> list[str]:
 def render_with_span(tokenizer, messages: Sequence[dict[str, Any]]) -> tuple[str, int, int]:
     """Full chat text and the [start, end) character span of the final assistant turn's
     generated text (reasoning + answer + end-of-turn token)."""
-    if not messages or messages[-1].get("role") != "assistant":
-        raise ValueError("the last message must be the assistant turn to learn from")
-    prefix = tokenizer.apply_chat_template(list(messages[:-1]), tokenize=False,
-                                           add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(list(messages), tokenize=False)
-    if not full.startswith(prefix):
-        raise ValueError(
-            "chat template is not prefix-stable: rendering the conversation does not start with "
-            "rendering its history plus the generation prompt, so the assistant span is ambiguous")
-    content = messages[-1]["content"]
-    end = full.rfind(content)
-    if end < len(prefix):
-        raise ValueError("the final assistant content does not appear in the rendered template")
-    end += len(content)
-    for eos in _eos_strings(tokenizer):
-        if full.startswith(eos, end):
-            end += len(eos)
-            break
-    return full, len(prefix), end
+    return render_with_spans(tokenizer, [messages])[0]
+
+
+def render_with_spans(tokenizer, conversations: Sequence[Sequence[dict[str, Any]]]
+                      ) -> list[tuple[str, int, int]]:
+    """`render_with_span` of many conversations, rendered in two batched template calls."""
+    for messages in conversations:
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ValueError("the last message must be the assistant turn to learn from")
+    if not conversations:
+        return []
+    prefixes = tokenizer.apply_chat_template([list(m[:-1]) for m in conversations],
+                                             tokenize=False, add_generation_prompt=True)
+    fulls = tokenizer.apply_chat_template([list(m) for m in conversations], tokenize=False)
+    eos_strings = _eos_strings(tokenizer)
+    out = []
+    for messages, prefix, full in zip(conversations, prefixes, fulls):
+        if not full.startswith(prefix):
+            raise ValueError(
+                "chat template is not prefix-stable: rendering the conversation does not start "
+                "with rendering its history plus the generation prompt, so the assistant span is "
+                "ambiguous")
+        content = messages[-1]["content"]
+        end = full.rfind(content)
+        if end < len(prefix):
+            raise ValueError("the final assistant content does not appear in the rendered template")
+        end += len(content)
+        for eos in eos_strings:
+            if full.startswith(eos, end):
+                end += len(eos)
+                break
+        out.append((full, len(prefix), end))
+    return out
 
 
 def _span_mask(offsets: np.ndarray, start: int, end: int) -> np.ndarray:
@@ -91,39 +105,59 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]],
                      num_tokens_untruncated=n)
 
 
+def _offsets(tokenizer, texts: list[str]) -> list:
+    """Per text, its tokens' (start, end) character offsets: the fast tokenizer's batch encode
+    (Rust, all cores) when there is one, else the tokenizer's own call; the same tokens."""
+    backend = getattr(tokenizer, "_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is not None and hasattr(backend, "encode_batch"):
+        return [e.offsets for e in backend.encode_batch(texts, add_special_tokens=False)]
+    return tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+
+
 def length_columns(tokenizer, messages_col: Sequence[str], reference_col: Sequence[str | None],
                    max_seq_len: int, *, chunk: int = 8192) -> dict[str, list]:
-    """Token counts per prompts.parquet row, for stats and planning (batched encode).
+    """Token counts per prompts.parquet row, for stats and planning (batched: a chunk's chat
+    templates rendered in one call, encoded in one batch, counted with numpy).
 
     Rows with a reference response count the whole conversation as a training sample would
     be before regeneration; rows without one count their prompt (+ generation prompt) and
     have 0 loss tokens until generation adds a response.
     """
+    from itertools import chain
+
     out: dict[str, list] = {"prompt_tokens": [], "num_tokens": [], "num_loss_tokens": [],
                             "truncated": []}
     for lo in range(0, len(messages_col), chunk):
-        texts, spans = [], []
-        for messages_json, reference_json in zip(messages_col[lo:lo + chunk],
-                                                 reference_col[lo:lo + chunk]):
-            prompt = json.loads(messages_json)
-            if reference_json is None:
-                text = tokenizer.apply_chat_template(prompt, tokenize=False,
+        prompts = [json.loads(m) for m in messages_col[lo:lo + chunk]]
+        refs = list(reference_col[lo:lo + chunk])
+        n = len(prompts)
+        texts: list[str] = [""] * n
+        span = np.zeros((n, 2), np.int64)
+        bare = [i for i in range(n) if refs[i] is None]
+        if bare:
+            rendered = tokenizer.apply_chat_template([prompts[i] for i in bare], tokenize=False,
                                                      add_generation_prompt=True)
-                texts.append(text)
-                spans.append((len(text), len(text)))
-            else:
-                full, start, end = render_with_span(tokenizer, prompt + [json.loads(reference_json)])
-                texts.append(full)
-                spans.append((start, end))
-        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        for offs, (start, end) in zip(enc["offset_mapping"], spans):
-            o = np.asarray(offs, dtype=np.int64).reshape(-1, 2)
-            n = len(o)
-            mask = _span_mask(o, start, end)[:max_seq_len]
-            out["prompt_tokens"].append(int((o[:, 0] < start).sum()))
-            out["num_tokens"].append(min(n, max_seq_len))
-            out["num_loss_tokens"].append(int(mask.sum()))
-            out["truncated"].append(n > max_seq_len)
+            for i, text in zip(bare, rendered):
+                texts[i] = text
+                span[i] = len(text)
+        full = [i for i in range(n) if refs[i] is not None]
+        for i, (text, start, end) in zip(full, render_with_spans(
+                tokenizer, [prompts[i] + [json.loads(refs[i])] for i in full])):
+            texts[i] = text
+            span[i] = (start, end)
+        offsets = _offsets(tokenizer, texts)
+        lens = np.fromiter(map(len, offsets), np.int64, count=n)
+        flat = np.fromiter(chain.from_iterable(chain.from_iterable(offsets)), np.int64,
+                           count=2 * int(lens.sum())).reshape(-1, 2)
+        row = np.repeat(np.arange(n), lens)
+        pos = np.arange(len(row)) - np.repeat(np.cumsum(lens) - lens, lens)
+        start, end = span[row, 0], span[row, 1]
+        mask = ((flat[:, 0] >= start) & (flat[:, 1] <= end) & (flat[:, 1] > flat[:, 0])
+                & (pos < max_seq_len))
+        out["prompt_tokens"] += np.bincount(row, weights=flat[:, 0] < start, minlength=n).astype(int).tolist()
+        out["num_tokens"] += np.minimum(lens, max_seq_len).tolist()
+        out["num_loss_tokens"] += np.bincount(row, weights=mask, minlength=n).astype(int).tolist()
+        out["truncated"] += (lens > max_seq_len).tolist()
     return out
 
 
@@ -138,19 +172,90 @@ def load_tokenizer(target):
                                          trust_remote_code=target.trust_remote_code)
 
 
-def length_annotator(recipe):
-    """An `ingest(annotate=...)` callback adding token-count columns with the recipe's tokenizer."""
+LENGTH_TYPES = {"prompt_tokens": "int32", "num_tokens": "int32", "num_loss_tokens": "int32",
+                "truncated": "bool_"}
+PARALLEL_CHUNK = 8192  # rows per Ray Data batch when counting on the cluster
+
+
+class LengthUDF:
+    """Ray Data actor: the target's tokenizer, loaded once; a batch of prompts.parquet rows
+    (`messages`, `reference`, `_row`) -> their token-count columns and `_row`."""
+
+    def __init__(self, target, max_seq_len: int):
+        self.tokenizer = load_tokenizer(target)
+        self.max_seq_len = max_seq_len
+
+    def __call__(self, batch):
+        import pyarrow as pa
+
+        cols = length_columns(self.tokenizer, batch.column("messages").to_pylist(),
+                              batch.column("reference").to_pylist(), self.max_seq_len)
+        return pa.table({"_row": batch.column("_row"),
+                         **{k: pa.array(v, getattr(pa, LENGTH_TYPES[k])()) for k, v in cols.items()}})
+
+
+def lengths_on_ray(recipe, table, workers: int):
+    """`length_columns` of every row as Ray Data `map_batches` over `workers` tokenizer
+    actors (the cluster's CPUs); rows come back in table order (sorted on a row number)."""
+    import numpy as np
+    import pyarrow as pa
+    import ray
+
+    from eagle_ray.ops.cluster import init_ray
+
+    init_ray()
+    src = table.select(["messages", "reference"]).append_column(
+        "_row", pa.array(np.arange(table.num_rows, dtype=np.int64)))
+    ds = ray.data.from_arrow([src.slice(i, PARALLEL_CHUNK) for i in range(0, src.num_rows, PARALLEL_CHUNK)])
+    ds = ds.map_batches(LengthUDF, fn_constructor_args=(recipe.target, recipe.data.max_seq_len),
+                        compute=ray.data.ActorPoolStrategy(size=workers), batch_size=None,
+                        batch_format="pyarrow", num_cpus=1)
+    got = pa.concat_tables(list(ds.iter_batches(batch_size=None, batch_format="pyarrow")))
+    got = got.sort_by("_row")
+    if got.num_rows != table.num_rows:
+        raise RuntimeError(f"token counting returned {got.num_rows} rows for {table.num_rows}")
+    return {k: got.column(k) for k in LENGTH_TYPES}
+
+
+def token_count_workers(rows: int, requested: int | None = None) -> int:
+    """How many tokenizer actors to count `rows` rows with: `requested` if given, else the
+    CPUs of the Ray cluster this process is connected to, or is a job of (RAY_ADDRESS);
+    1: count in this process. A process with no cluster counts here: starting one costs
+    more than it saves on a machine of a few cores."""
+    import os
+
+    if requested is not None:
+        return max(1, requested)
+    if rows < 4 * PARALLEL_CHUNK:
+        return 1
+    import ray
+
+    if not ray.is_initialized():
+        if not os.environ.get("RAY_ADDRESS"):
+            return 1
+        from eagle_ray.ops.cluster import init_ray
+
+        init_ray()
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def length_annotator(recipe, *, workers: int | None = None):
+    """An `ingest(annotate=...)` callback adding token-count columns with the recipe's
+    tokenizer: in this process, or on `token_count_workers` Ray actors (same columns)."""
     import pyarrow as pa
 
     tokenizer = load_tokenizer(recipe.target)
 
     def annotate(table: pa.Table) -> pa.Table:
-        cols = length_columns(tokenizer, table.column("messages").to_pylist(),
-                              table.column("reference").to_pylist(), recipe.data.max_seq_len)
-        types = {"prompt_tokens": pa.int32(), "num_tokens": pa.int32(),
-                 "num_loss_tokens": pa.int32(), "truncated": pa.bool_()}
+        n = token_count_workers(table.num_rows, workers)
+        if n > 1:
+            cols = lengths_on_ray(recipe, table, n)
+        else:
+            cols = {k: pa.array(v, getattr(pa, LENGTH_TYPES[k])()) for k, v in length_columns(
+                tokenizer, table.column("messages").to_pylist(),
+                table.column("reference").to_pylist(), recipe.data.max_seq_len).items()}
         for name, values in cols.items():
-            table = table.append_column(name, pa.array(values, type=types[name]))
+            table = table.append_column(name, values)
         return table
 
     return annotate
