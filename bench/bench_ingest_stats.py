@@ -1,11 +1,14 @@
 """Ingest + stats throughput on a generated N-line file (default 1M lines).
 
     .venv/bin/python bench/bench_ingest_stats.py [--lines 1000000] [--dir /tmp/eagle_ray_bench]
+                                                 [--token-workers 2]
 
 Generates a mix of OpenAI (with reasoning), ShareGPT and plain-prompt lines from the
 shipped corpus (~1% bad lines), then times, in one run on the same file:
-  ingest without token counting, ingest with token counting (tiny target's tokenizer),
-  and stats over the resulting prompts.parquet. Prints a table of lines/s.
+  ingest without token counting, ingest with token counting (tiny target's tokenizer) in
+  the process, and with --token-workers N on N Ray tokenizer actors (a local Ray started
+  first, outside the timed region; its prompts.parquet checked equal byte for byte), and
+  stats over the resulting prompts.parquet. Prints a table of lines/s.
 """
 
 import argparse
@@ -46,6 +49,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lines", type=int, default=1_000_000)
     ap.add_argument("--dir", default="/tmp/eagle_ray_bench")
+    ap.add_argument("--token-workers", type=int, default=0)
     args = ap.parse_args()
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -56,7 +60,7 @@ def main() -> int:
         print(f"generated {src} ({src.stat().st_size / 1e6:,.0f} MB) in {time.perf_counter() - t0:.1f}s",
               file=sys.stderr)
     recipe = load_recipe("tiny_cpu")
-    annotate = length_annotator(recipe)  # loads the tokenizer outside the timed region
+    annotate = length_annotator(recipe, workers=1)  # loads the tokenizer outside the timed region
 
     rows = []
     t0 = time.perf_counter()
@@ -66,6 +70,19 @@ def main() -> int:
     r2 = ingest([SourceSpec.parse(str(src))], d / "tokens", annotate=annotate)
     rows.append(("ingest + token counting (tiny tokenizer)", args.lines, time.perf_counter() - t0))
     assert r1.accepted == r2.accepted
+    if args.token_workers:
+        from eagle_ray.ops.cluster import init_ray
+
+        init_ray(address="local", num_cpus=args.token_workers, include_dashboard=False)
+        par = length_annotator(recipe, workers=args.token_workers)
+        t0 = time.perf_counter()
+        ingest([SourceSpec.parse(str(src))], d / "tokens-ray", annotate=par)
+        rows.append((f"ingest + token counting on {args.token_workers} Ray actors", args.lines,
+                     time.perf_counter() - t0))
+        same = ((d / "tokens-ray" / "prompts.parquet").read_bytes()
+                == (d / "tokens" / "prompts.parquet").read_bytes())
+        print(f"prompts.parquet from the Ray actors equals the in-process one: {same}", file=sys.stderr)
+        assert same
     t0 = time.perf_counter()
     stats = compute_stats(d / "tokens")
     rows.append(("stats (Polars over prompts.parquet)", r2.accepted, time.perf_counter() - t0))
