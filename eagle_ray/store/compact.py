@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 REPLACES_KEY = b"eagle_ray.replaces"
 LOCK_FILE = ".compact.lock"
 # A writer compacts after this many of its own commits (if no other compaction runs), and
-# compact files themselves are merged once there are this many.
+# compact files themselves are merged this many of one size tier at a time.
 COMPACT_EVERY_PARTS = 64
 MERGE_COMPACTS_AT = 8
 
@@ -108,6 +108,24 @@ def finish_compactions(root: str | Path) -> list[str]:
     return finish_dir(Path(root) / INDEX_DIR)
 
 
+def _tier_run(compacts: list[Path]) -> list[Path] | None:
+    """MERGE_COMPACTS_AT neighbouring compact files of one size tier (rows within a factor
+    MERGE_COMPACTS_AT), the smallest tier first, or None: merging only files of like size
+    rewrites each row O(log n) times over a store's life (a merge of everything would
+    rewrite it on every merge) and keeps ~MERGE_COMPACTS_AT files per tier."""
+    import math
+
+    k = MERGE_COMPACTS_AT
+    if len(compacts) < k:
+        return None
+    tiers = [int(math.log(max(1, pq.read_metadata(c).num_rows), k)) for c in compacts]
+    best = None
+    for i in range(len(compacts) - k + 1):
+        if len(set(tiers[i:i + k])) == 1 and (best is None or tiers[i] <= tiers[best]):
+            best = i
+    return None if best is None else compacts[best:best + k]
+
+
 @contextmanager
 def dir_lock(d: Path, blocking: bool) -> Iterator[bool]:
     """One compaction at a time in d (an flock on d/.compact.lock)."""
@@ -132,9 +150,10 @@ def _compaction_lock(root: Path, blocking: bool):
 
 def compact(root: str | Path, *, everything: bool = False, blocking: bool = True,
             min_parts: int = 2) -> dict[str, int] | None:
-    """Merge committed index files (module doc). Parts are merged into one new compact file
-    when there are >= min_parts of them; all compact files (and parts) are merged into one
-    when `everything` or there are MERGE_COMPACTS_AT compact files. Returns {"merged",
+    """Merge committed index files (module doc). MERGE_COMPACTS_AT compact files of one size
+    tier are merged when there are (`_tier_run`), else parts into one new compact file when
+    there are >= min_parts of them; everything into one file with `everything` (`store
+    compact`). Returns {"merged",
     "rows"}, or None when another compaction holds the lock (blocking=False) or there was
     nothing to do."""
     return compact_dir(Path(root) / INDEX_DIR, read_index_part, INDEX_SCHEMA, what="index",
@@ -157,10 +176,15 @@ def compact_dir(d: Path, read, schema: pa.Schema, *, what: str, everything: bool
         live = live_files(d)
         compacts = [p for p in live if p.name.startswith("compact-")]
         parts = [p for p in live if p.name.startswith("part-")]
-        if merge_compacts and (everything or len(compacts) >= MERGE_COMPACTS_AT):
+        name_ns = time.time_ns()
+        if merge_compacts and everything:
             inputs = compacts + parts
             if len(inputs) < 2:
                 return None
+        elif merge_compacts and (run := _tier_run(compacts)) is not None:
+            inputs = run
+            # The merged file takes the run's first name's time, so files keep their order.
+            name_ns = int(inputs[0].name.split("-")[1])
         else:
             if len(parts) < min_parts:
                 return None
@@ -174,7 +198,7 @@ def compact_dir(d: Path, read, schema: pa.Schema, *, what: str, everything: bool
             tables.append(read(p))
         table = pa.concat_tables(tables) if tables else schema.empty_table()
         # Names sort by creation: a time prefix keeps "oldest first" true for readers.
-        name = f"compact-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet"
+        name = f"compact-{name_ns:020d}-{uuid.uuid4().hex[:8]}.parquet"
         tmp = d / f".{name}.tmp"
         meta = {**(schema.metadata or {}), REPLACES_KEY: json.dumps(sorted(set(replaces))).encode()}
         try:
