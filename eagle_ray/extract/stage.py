@@ -114,8 +114,12 @@ class ExtractUDF:
         d = Path(self.store_dir) / INDEX_DIR
         for p in sorted(d.glob("compact-*.parquet")) + sorted(d.glob("part-*.parquet")):
             if p.name not in self._seen_parts:
+                try:
+                    ids = pq.read_table(p, columns=["sample_id"]).column(0).to_pylist()
+                except FileNotFoundError:
+                    continue  # merged away meanwhile: the compact file that holds it is read
                 self._seen_parts.add(p.name)
-                self._done.update(pq.read_table(p, columns=["sample_id"]).column(0).to_pylist())
+                self._done.update(ids)
         return self._done
 
     def __call__(self, batch: pa.Table) -> pa.Table:
