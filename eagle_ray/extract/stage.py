@@ -117,7 +117,7 @@ class ExtractUDF:
                 try:
                     ids = pq.read_table(p, columns=["sample_id"]).column(0).to_pylist()
                 except FileNotFoundError:
-                    continue  # merged away meanwhile: the compact file that holds it is read
+                    continue  # merged away meanwhile: its compact file is read now or next call
                 self._seen_parts.add(p.name)
                 self._done.update(ids)
         return self._done
