@@ -292,10 +292,11 @@ def cmd_store_repair(args) -> int:
     print(f"{rep['store']}: {rep['samples']:,} samples kept; {verb} {rep['duplicates_dropped']:,} "
           f"duplicate commit(s), {len(rep['damaged_dropped']):,} damaged sample(s), "
           f"{len(rep['parts_dropped']):,} unreadable index part(s), "
-          f"{len(rep['shards_removed']):,} shard(s), {len(rep['temp_files_removed']):,} temp file(s)")
+          f"{len(rep['shards_removed']):,} shard(s), {len(rep['temp_files_removed']):,} temp file(s), "
+          f"{rep['bytes_dropped']:,} shard bytes no committed write owned (lost index parts)")
     for d in rep["damaged_dropped"]:
         print(f"DROPPED {d}")
-    if rep["damaged_dropped"] or rep["parts_dropped"]:
+    if rep["damaged_dropped"] or rep["parts_dropped"] or rep["bytes_dropped"]:
         print("re-run `eagle-ray extract` into this store to redo the dropped samples")
     return 0
 

@@ -176,43 +176,55 @@ def compact_dir(d: Path, read, schema: pa.Schema, *, what: str, everything: bool
         live = live_files(d)
         compacts = [p for p in live if p.name.startswith("compact-")]
         parts = [p for p in live if p.name.startswith("part-")]
-        name_ns = time.time_ns()
+        done = []  # (files merged, rows) per merge
         if merge_compacts and everything:
-            inputs = compacts + parts
-            if len(inputs) < 2:
+            if len(compacts) + len(parts) < 2:
                 return None
-        elif merge_compacts and (run := _tier_run(compacts)) is not None:
-            inputs = run
-            # The merged file takes the run's first name's time, so files keep their order.
-            name_ns = int(inputs[0].name.split("-")[1])
+            done.append(_merge(d, compacts + parts, read, schema, time.time_ns(), row_group_size, what))
         else:
-            if len(parts) < min_parts:
-                return None
-            inputs = parts[:max_inputs] if max_inputs else parts
-        replaces: list[str] = []
-        tables = []
-        for p in inputs:
-            replaces.append(p.name)
-            if p.name.startswith("compact-"):
-                replaces.extend(replaced_by(p))
-            tables.append(read(p))
-        table = pa.concat_tables(tables) if tables else schema.empty_table()
-        # Names sort by creation: a time prefix keeps "oldest first" true for readers.
-        name = f"compact-{name_ns:020d}-{uuid.uuid4().hex[:8]}.parquet"
-        tmp = d / f".{name}.tmp"
-        meta = {**(schema.metadata or {}), REPLACES_KEY: json.dumps(sorted(set(replaces))).encode()}
-        try:
-            with open(tmp, "wb") as f:
-                pq.write_table(table.cast(schema.with_metadata(meta)), f,
-                               row_group_size=row_group_size)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, d / name)  # the switch
-            fsync_dir(d)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        finish_dir(d)
+            if len(parts) >= min_parts:
+                done.append(_merge(d, parts[:max_inputs] if max_inputs else parts, read, schema,
+                                   time.time_ns(), row_group_size, what))
+            while merge_compacts:
+                run = _tier_run([p for p in live_files(d) if p.name.startswith("compact-")])
+                if run is None:
+                    break
+                # The merged file takes the run's first name's time: files keep their order.
+                done.append(_merge(d, run, read, schema, int(run[0].name.split("-")[1]),
+                                   row_group_size, what))
+    if not done:
+        return None
+    return {"merged": sum(m for m, _ in done), "rows": sum(r for _, r in done)}
+
+
+def _merge(d: Path, inputs: list[Path], read, schema: pa.Schema, name_ns: int,
+           row_group_size: int | None, what: str) -> tuple[int, int]:
+    """One merge of `inputs` into a new compact file (the protocol of the module doc), under
+    the directory's compaction lock. Returns (files merged, rows)."""
+    replaces: list[str] = []
+    tables = []
+    for p in inputs:
+        replaces.append(p.name)
+        if p.name.startswith("compact-"):
+            replaces.extend(replaced_by(p))
+        tables.append(read(p))
+    table = pa.concat_tables(tables) if tables else schema.empty_table()
+    # Names sort by creation time: "oldest first" stays true for readers.
+    name = f"compact-{name_ns:020d}-{uuid.uuid4().hex[:8]}.parquet"
+    tmp = d / f".{name}.tmp"
+    meta = {**(schema.metadata or {}), REPLACES_KEY: json.dumps(sorted(set(replaces))).encode()}
+    try:
+        with open(tmp, "wb") as f:
+            pq.write_table(table.cast(schema.with_metadata(meta)), f,
+                           row_group_size=row_group_size)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, d / name)  # the switch
+        fsync_dir(d)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finish_dir(d)
     logger.info("%s: compacted %d %s file(s), %d rows -> %s", d, len(inputs), what, table.num_rows,
                 name)
-    return {"merged": len(inputs), "rows": table.num_rows}
+    return len(inputs), table.num_rows

@@ -7,6 +7,7 @@ previous checkpoint after a truncated one, and never a traceback in the output. 
 store and one 2-step training run are built once and copied per case."""
 
 import json
+import re
 import os
 import shutil
 import signal
@@ -112,11 +113,12 @@ def _sample_bytes_at(store, sample_id):
     row = next(r for r in read_index(store).to_pylist() if r["sample_id"] == sample_id)
     path = store / "shards" / row["shard"]
     raw = path.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    seg = row["shard_offset"]  # the sample's segment (store/segments.py)
+    n = int.from_bytes(raw[seg:seg + 8], "little")
+    header = json.loads(raw[seg + 8:seg + 8 + n])
     start, end = header["aux"]["data_offsets"]
     rows = header["aux"]["shape"][0]
-    return path, 8 + n + start + row["offset"] * (end - start) // rows
+    return path, seg + 8 + n + start + row["offset"] * (end - start) // rows
 
 
 def test_overwritten_bytes_stop_training_naming_sample_and_shard(base, tmp_path):
@@ -144,10 +146,13 @@ def test_lost_index_part_is_refused_then_repaired(base, tmp_path):
     part.unlink()
     lost -= len(read_index(store))
     p = train(store, tmp_path / "run", env)
-    assert "orphan shard" in p.stderr and "eagle-ray store repair" in p.stderr, p.stderr
+    # a lost part's segment: bytes of a shard no committed write owns (or, if it was the
+    # shard's only write, an orphan shard)
+    assert ("no committed write" in p.stderr or "orphan shard" in p.stderr), p.stderr
+    assert "eagle-ray store repair" in p.stderr, p.stderr
     assert not (tmp_path / "run" / "run.json").exists()
     r = cli("store", "repair", store, ok=True)
-    assert "1 shard(s)" in r.stdout
+    assert re.search(r"[1-9][\d,]* shard bytes no committed write owned|1 shard\(s\)", r.stdout), r.stdout
     assert verify_store(store)["ok"] and len(read_index(store)) == N - lost
     # the way back: extract redoes exactly the lost samples
     e = cli("extract", "--conversations", d / "conv", "--out", store, *sets(), env=env, ok=True)
@@ -239,18 +244,22 @@ def test_full_disk_mid_extraction_is_one_line_and_resumes(base, tmp_path):
     d, env = base
     inject = tmp_path / "inject"
     inject.mkdir()
+    # The second flush of shard bytes (a new shard or an appended segment) finds the disk
+    # full: written bytes, then ENOSPC from fsync, as a real full disk reports it.
     (inject / "sitecustomize.py").write_text(
         "import errno, os\n"
-        "import safetensors.torch as st\n"
-        "_real, _calls = st.save_file, [0]\n"
-        "def save_file(tensors, path, metadata=None):\n"
-        "    _calls[0] += 1\n"
-        "    if _calls[0] > 1:\n"
-        "        with open(path, 'wb') as f:\n"
-        "            f.write(b'partial')\n"
-        "        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))\n"
-        "    return _real(tensors, path, metadata=metadata)\n"
-        "st.save_file = save_file\n")
+        "_real, _calls = os.fsync, [0]\n"
+        "def fsync(fd):\n"
+        "    try:\n"
+        "        shard = '/shards/' in os.readlink(f'/proc/self/fd/{fd}')\n"
+        "    except OSError:\n"
+        "        shard = False\n"
+        "    if shard:\n"
+        "        _calls[0] += 1\n"
+        "        if _calls[0] > 1:\n"
+        "            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
+        "    return _real(fd)\n"
+        "os.fsync = fsync\n")
     job = {"runtime_env": {"env_vars": {"PYTHONPATH": str(inject)}}}
     store = tmp_path / "store"
     p = cli("extract", "--conversations", d / "conv", "--out", store, *sets("extract.max_replicas=1"),

@@ -169,6 +169,7 @@ def test_writer_compaction_is_tiered_keeps_commit_order_and_few_files(tmp_path, 
     live = live_index_files(tmp_path)
     assert _ids(tmp_path) == order
     assert len(live) <= 3 * c.MERGE_COMPACTS_AT, [p.name for p in live]
+    assert sum(p.name.startswith("part-") for p in live) <= 1  # parts merged on every turn
     # everything-merges would rewrite ~400 * 400 / (2 * 8 * 2) = 5,000 rows; tiers ~400 * 4
     assert compact_rows < 2500, compact_rows
     assert verify_store(tmp_path)["ok"]
