@@ -225,6 +225,6 @@ def _merge(d: Path, inputs: list[Path], read, schema: pa.Schema, name_ns: int,
         tmp.unlink(missing_ok=True)
         raise
     finish_dir(d)
-    logger.info("%s: compacted %d %s file(s), %d rows -> %s", d, len(inputs), what, table.num_rows,
+    logger.debug("%s: compacted %d %s file(s), %d rows -> %s", d, len(inputs), what, table.num_rows,
                 name)
     return len(inputs), table.num_rows
