@@ -13,7 +13,8 @@ HiddenStateStore open, check_store_whole, verify without checksums, and the trai
 (sample lengths + micro-batches).
 
 Generation: a prompts.parquet of N prompts as ingest writes it and a generation output with
-half of them done, in parts of 16 rows (generate.batch_size) as a killed run leaves them;
+half of them done, in parts of 16 rows (generate.batch_size) merged every 64 parts, as a
+killed run leaves them;
 then, in a fresh process as the resumed driver runs it: the first resume's part compaction,
 the resume bookkeeping (done prompts, prompts to go, the read tasks of the rest), the
 consolidation into conversations.parquet, and that driver's peak RSS.
@@ -88,11 +89,12 @@ def build_generation(root: Path, n: int) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from eagle_ray.generate.run import PARTS_DIR
+    from eagle_ray.generate.run import PARTS_DIR, compact_parts
     from eagle_ray.generate.stage import CONVERSATIONS_SCHEMA
+    from eagle_ray.store.compact import COMPACT_EVERY_PARTS
 
     root.mkdir(parents=True, exist_ok=True)
-    ids = [f"{i:064x}" for i in range(n)]
+    ids = [f"s{i:020x}" for i in range(n)]  # ingest's ids: "s" + 20 hex digits of a sha256
     msgs = [f'[{{"role": "user", "content": "question {i}"}}]' for i in range(n)]
     pq.write_table(pa.table({"sample_id": ids, "source": ["bench"] * n, "messages": msgs,
                              "reference": pa.nulls(n, pa.string())}),
@@ -112,6 +114,8 @@ def build_generation(root: Path, n: int) -> None:
         t = pa.table({f.name: cols.get(f.name, pa.nulls(k, f.type)) for f in CONVERSATIONS_SCHEMA},
                      schema=CONVERSATIONS_SCHEMA)
         pq.write_table(t, parts / f"part-{lo:012d}.parquet", compression="zstd")
+        if (lo // GEN_BATCH + 1) % COMPACT_EVERY_PARTS == 0:
+            compact_parts(parts, blocking=False)  # as the generation driver does every 64 parts
     (root / "built").write_text("")
 
 
@@ -209,7 +213,7 @@ def main() -> None:
               f"{r['verify_s']:.2f} | {r['plan_s']:.2f} | {r['peak_rss_mb']:.0f} |")
     if a.no_generation:
         return
-    print("\ngeneration: N prompts, N/2 done in parts of 16 rows (a killed run), resumed\n")
+    print("\ngeneration: N prompts, N/2 done in parts of 16 rows merged every 64 (a killed run), resumed\n")
     print("| prompts | part files before -> after the first resume | first-resume compaction s "
           "| resume bookkeeping s | consolidate s | driver peak RSS MB |\n|---|---|---|---|---|---|")
     for n, _, _, g in rows:

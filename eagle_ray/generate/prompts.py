@@ -1,8 +1,9 @@
 """Rows of Parquet files as a Ray Dataset the driver never holds: prompts, generation parts.
 
-    prompts.parquet (ingest) ─▶ ParquetRows: read tasks over its row groups, each streaming
-        blocks of `block_rows` rows (one generation batch: replicas share the work from the
-        start), less the sample ids in `exclude` (prompts already done)  ─▶ map_batches(...)
+    prompts.parquet (ingest) ─▶ ParquetRows: read tasks over its row groups, less the sample
+        ids in `exclude` (prompts already done) ─▶ streaming repartition into blocks of
+        `block_rows` rows (one generation batch: replicas share the work from the start)
+        ─▶ map_batches(...)
 
 The driver reads Parquet metadata and the id columns it needs for resume bookkeeping, as
 Arrow arrays (no Python object per sample); prompt texts and token lists are only ever read
@@ -179,7 +180,10 @@ class ParquetRows(_datasource_base()):
 
 
 def dataset(source: "ParquetRows"):
-    """The Ray Dataset of a ParquetRows source (empty sources give an empty dataset)."""
+    """The Ray Dataset of a ParquetRows source, in blocks of `block_rows` rows. Ray Data's
+    read operator merges what one read task yields into one block (up to
+    target_max_block_size): without the streaming repartition a whole row group would reach
+    one replica as one bundle, and the pool would not share the work."""
     import ray
 
-    return ray.data.read_datasource(source)
+    return ray.data.read_datasource(source).repartition(target_num_rows_per_block=source.block_rows)

@@ -314,15 +314,16 @@ def consolidate(out: Path, prompts: Path, params: dict, limit: int | None = None
         raise AssertionError(f"{n_dup} duplicate sample ids across parts in {out}")
     order = pa.chunked_array(list(iter_id_chunks(prompts, limit)), pa.string()).combine_chunks()
     n_prompts = len(order)
-    pos = pc.index_in(prompt_ids(ids), value_set=order)
+    n = params["sampling"]["samples_per_prompt"] if params.get("sampling") else 1
+    pos = pc.index_in(ids if n == 1 else prompt_ids(ids), value_set=order)
     if pos.null_count:
         extra = ids.filter(pc.is_null(pos))[0].as_py()
         raise ValueError(f"{out} holds {pos.null_count} samples that are not in these prompts "
                          f"(e.g. {extra}); it belongs to another prompt set")
     del order
-    n = params["sampling"]["samples_per_prompt"] if params.get("sampling") else 1
     # prompt order, then completion index (ids "<prompt>#<j>")
-    rank = pc.add(pc.multiply(pc.cast(pos, pa.int64()), n), completion_indices(ids))
+    rank = pc.cast(pos, pa.int64()) if n == 1 else pc.add(pc.multiply(pc.cast(pos, pa.int64()), n),
+                                                            completion_indices(ids))
     idx = idx.append_column("_rank", rank).sort_by("_rank")
     is_ok = pc.equal(idx.column("status"), "ok")
     ok_sel, rej_sel = idx.filter(is_ok), idx.filter(pc.invert(is_ok))
