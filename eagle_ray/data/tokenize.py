@@ -175,6 +175,7 @@ def load_tokenizer(target):
 LENGTH_TYPES = {"prompt_tokens": "int32", "num_tokens": "int32", "num_loss_tokens": "int32",
                 "truncated": "bool_"}
 PARALLEL_CHUNK = 8192  # rows per Ray Data batch when counting on the cluster
+MIN_CLUSTER_CPUS = 4  # fewer: count in this process
 
 
 class LengthUDF:
@@ -219,8 +220,8 @@ def lengths_on_ray(recipe, table, workers: int):
 
 def token_count_workers(rows: int, requested: int | None = None) -> int:
     """How many tokenizer actors to count `rows` rows with: `requested` if given, else the
-    CPUs of the Ray cluster this process is connected to, or is a job of (RAY_ADDRESS);
-    1: count in this process. A process with no cluster counts here: starting one costs
+    CPUs of the Ray cluster this process is connected to, or is a job of (RAY_ADDRESS), when
+    it has at least MIN_CLUSTER_CPUS; 1: count in this process. A process with no cluster counts here: starting one costs
     more than it saves on a machine of a few cores."""
     import os
 
@@ -236,7 +237,10 @@ def token_count_workers(rows: int, requested: int | None = None) -> int:
         from eagle_ray.ops.cluster import init_ray
 
         init_ray()
-    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    # On 2 cores the fast tokenizer's batch encode already uses both, and 2 actors were
+    # slower (bench/bench_ingest_stats.py --token-workers 2: 4.4K vs 5.8K lines/s).
+    return cpus if cpus >= MIN_CLUSTER_CPUS else 1
 
 
 def length_annotator(recipe, *, workers: int | None = None):
