@@ -36,6 +36,7 @@ _DTYPES = {"BF16": ("bfloat16", 2), "F16": ("float16", 2), "F32": ("float32", 4)
            "U8": ("uint8", 1), "I16": ("int16", 2), "I32": ("int32", 4), "I64": ("int64", 8),
            "BOOL": ("bool", 1)}
 MAX_HEADER = 100_000_000  # the safetensors limit; a larger length is damage, not a header
+HEAD_READ = 4096  # bytes read at a segment's start: its length field and (usually) header
 
 
 @dataclass(frozen=True)
@@ -58,16 +59,16 @@ class Segment:
 
     def __init__(self, fd: int, path: Path, offset: int, file_size: int):
         self.path, self.offset = path, offset
-        head = os.pread(fd, 8, offset)
+        head = os.pread(fd, HEAD_READ, offset)  # one read holds a typical header whole
         if len(head) < 8:
             raise StoreDamagedError(f"{path}: no segment header at byte {offset} (file has "
                                     f"{file_size} bytes)")
-        (n,) = struct.unpack("<Q", head)
+        (n,) = struct.unpack_from("<Q", head)
         if n > MAX_HEADER or offset + 8 + n > file_size:
             raise StoreDamagedError(f"{path}: segment at byte {offset} has a header length of {n} "
                                     f"bytes, past the file's {file_size} bytes")
         try:
-            header = json.loads(os.pread(fd, n, offset + 8))
+            header = json.loads(head[8:8 + n] if 8 + n <= len(head) else os.pread(fd, n, offset + 8))
         except (ValueError, UnicodeDecodeError) as e:
             raise StoreDamagedError(f"{path}: segment header at byte {offset} is not JSON ({e})") from None
         self.metadata = header.pop("__metadata__", {}) or {}
