@@ -14,7 +14,7 @@ by the read tasks, on the workers. `exclude` travels to the tasks through the ob
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -39,14 +39,6 @@ def completion_indices(sample_ids: pa.Array | pa.ChunkedArray) -> pa.Array:
     # "<p>" -> "<p>#0", "<p>#j" -> "<p>#j#0": the second field is j either way
     padded = pc.binary_join_element_wise(arr, "0", SEP)
     return pc.cast(pc.list_element(pc.split_pattern(padded, SEP, max_splits=2), 1), pa.int64())
-
-
-def id_column(files: Iterable[Path], column: str = "sample_id") -> pa.Array:
-    """One string column of many Parquet files, as one Arrow array."""
-    chunks = [pq.read_table(f, columns=[column]).column(0) for f in files]
-    if not chunks:
-        return pa.array([], pa.string())
-    return pa.chunked_array([c for ch in chunks for c in ch.chunks], pa.string()).combine_chunks()
 
 
 def num_rows(path: Path, limit: int | None = None) -> int:

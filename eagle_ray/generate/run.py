@@ -123,8 +123,9 @@ def generation_dataset(recipe: Recipe, prompts, model_dir: Path):
 DAMAGED_DIR = "damaged"  # parts/damaged/: parts that no longer read, kept for inspection
 
 
-def readable_parts(parts_dir: Path) -> list[Path]:
-    """The live files in parts_dir (compact files, then parts no compact file replaces),
+def read_parts(parts_dir: Path) -> list[tuple[Path, pa.Table]]:
+    """The live files in parts_dir (compact files, then parts no compact file replaces) with
+    their `sample_id` and `status` columns, the one read all resume bookkeeping works on,
     after moving any that no longer read (truncated or overwritten on disk: files are
     written atomically, so only damage makes one) to parts/damaged/, with a warning: their
     prompts are simply not done, and this run generates them again."""
@@ -134,8 +135,7 @@ def readable_parts(parts_dir: Path) -> list[Path]:
     good = []
     for f in live_files(parts_dir):
         try:
-            pq.read_metadata(f)
-            pq.read_table(f, columns=["sample_id"])
+            ids = pq.read_table(f, columns=["sample_id", "status"])
         except (OSError, pa.ArrowException) as e:
             dest = parts_dir / DAMAGED_DIR / f.name
             dest.parent.mkdir(exist_ok=True)
@@ -143,7 +143,7 @@ def readable_parts(parts_dir: Path) -> list[Path]:
             logger.warning("generate: %s does not read (%s); moved to %s, its prompts are "
                            "generated again", f, str(e).splitlines()[0][:120], dest)
             continue
-        good.append(f)
+        good.append((f, ids))
     return good
 
 
@@ -174,12 +174,15 @@ def compact_parts(parts_dir: Path, *, blocking: bool = True) -> int:
             return merged
 
 
-def done_prompts(parts_dir: Path) -> pa.Array:
-    """Ids of the PROMPTS done in parts_dir (Arrow, unique): all completions of a prompt are
-    written in one part (one batch), so a prompt is done when any of its rows is there."""
-    from eagle_ray.generate.prompts import id_column, prompt_ids
+def done_prompts(parts_dir: Path, parts: list[tuple[Path, pa.Table]] | None = None) -> pa.Array:
+    """Ids of the PROMPTS done in parts_dir (Arrow, unique; from `parts`, `read_parts`' result,
+    when the caller has it): all completions of a prompt are written in one part (one
+    batch), so a prompt is done when any of its rows is there."""
+    from eagle_ray.generate.prompts import prompt_ids
 
-    return pc.unique(prompt_ids(id_column(readable_parts(parts_dir))))
+    parts = read_parts(parts_dir) if parts is None else parts
+    ids = pa.chunked_array([c for _, t in parts for c in t.column("sample_id").chunks], pa.string())
+    return pc.unique(prompt_ids(ids))
 
 
 def _check_params(out: Path, params: dict) -> None:
@@ -299,10 +302,10 @@ def consolidate(out: Path, prompts: Path, params: dict, limit: int | None = None
     from eagle_ray.common.provenance import fsync_dir
     from eagle_ray.generate.prompts import completion_indices, iter_id_chunks, prompt_ids
 
-    parts = readable_parts(out / PARTS_DIR)
+    read = read_parts(out / PARTS_DIR)
+    parts = [f for f, _ in read]
     pieces = []
-    for fi, f in enumerate(parts):
-        t = pq.read_table(f, columns=["sample_id", "status"])
+    for fi, (_, t) in enumerate(read):
         pieces.append(t.append_column("_file", pa.array(np.full(t.num_rows, fi, np.int32)))
                        .append_column("_row", pa.array(np.arange(t.num_rows, dtype=np.int64))))
     idx = (pa.concat_tables(pieces) if pieces else pa.table(

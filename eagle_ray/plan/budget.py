@@ -32,12 +32,17 @@ class BudgetError(RuntimeError):
     """The planned store does not fit in the free space at its output path."""
 
 
-def hidden_bytes_per_token(target: TargetConfig, dtype: str) -> int:
-    layers = len(target.resolved_aux_layer_ids) + 1  # aux layers + the final feature
-    per = layers * target.hidden_size * BYTES_PER_ELEMENT[dtype]
+def feature_bytes_per_token(num_aux_layers: int, hidden_size: int, dtype: str) -> int:
+    """Bytes of one token's features (aux layers + the final feature, fp8 scales)."""
+    layers = num_aux_layers + 1
+    per = layers * hidden_size * BYTES_PER_ELEMENT[dtype]
     if dtype == "fp8_e4m3":
         per += layers * FP8_SCALE_BYTES
     return per
+
+
+def hidden_bytes_per_token(target: TargetConfig, dtype: str) -> int:
+    return feature_bytes_per_token(len(target.resolved_aux_layer_ids), target.hidden_size, dtype)
 
 
 def store_bytes_per_token(target: TargetConfig, dtype: str) -> int:

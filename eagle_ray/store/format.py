@@ -102,6 +102,12 @@ class StoreManifest:
         return len(self.aux_layer_ids) * self.hidden_size
 
 
+def stored_tensors(dtype: str) -> set[str]:
+    """The tensor names of a segment (module doc) in this storage dtype."""
+    return {"aux", "final", "input_ids", "loss_mask"} | (
+        {"aux_scale", "final_scale"} if dtype == "fp8_e4m3" else set())
+
+
 def sample_checksum(parts: list[bytes]) -> str:
     h = hashlib.blake2b(digest_size=16)
     for p in parts:

@@ -23,7 +23,8 @@ import pyarrow.parquet as pq
 from eagle_ray.store.compact import read_index_part
 from eagle_ray.store.format import (DROPPED_FILE, INDEX_DIR, INDEX_SCHEMA, MANIFEST_FILE,
                                     SCHEMA_VERSION, SHARDS_DIR, StoreDamagedError, StoreError,
-                                    StoreManifest, repair_hint, sample_checksum, tensor_bytes)
+                                    StoreManifest, repair_hint, sample_checksum, stored_tensors,
+                                    tensor_bytes)
 from eagle_ray.store.segments import ShardFiles
 
 
@@ -181,25 +182,16 @@ def verify_store(root: str | Path, *, checksums: bool = True, headers: bool = Tr
     if dup:
         problems.append(f"{dup} sample id(s) committed more than once")
     shards_on_disk = {p.name for p in (root / SHARDS_DIR).glob("shard-*.safetensors")}
-    expected_keys = {"aux", "final", "input_ids", "loss_mask"} | (
-        {"aux_scale", "final_scale"} if manifest.dtype == "fp8_e4m3" else set())
+    expected_keys = stored_tensors(manifest.dtype)
     files = ShardFiles(root / SHARDS_DIR, max_open=8)
     offsets = index.column("offset").to_numpy()
     ntok = index.column("num_tokens").to_numpy().astype(np.int64)
-    # Rows grouped by (shard, segment) with Arrow (a million rows: no Python object per row).
-    groups = (pa.table({"shard": index.column("shard"), "seg": index.column("shard_offset"),
-                        "len": index.column("segment_bytes"),
-                        "row": pa.array(np.arange(index.num_rows, dtype=np.int64))})
-              .group_by(["shard", "seg", "len"]).aggregate([("row", "list")])
-              .sort_by([("shard", "ascending"), ("seg", "ascending")]))
     referenced = set(pc.unique(index.column("shard")).to_pylist()) if index.num_rows else set()
     for name in sorted(referenced - shards_on_disk):
         problems.append(f"index references missing shard {name}")
     problems += _rows_within_segments(index, manifest)
     hashed = 0
-    for name, seg_off, seg_len, rows in ([] if not headers and not checksums else zip(
-            groups.column("shard").to_pylist(), groups.column("seg").to_pylist(),
-            groups.column("len").to_pylist(), groups.column("row_list").to_numpy(zero_copy_only=False))):
+    for name, seg_off, seg_len, rows in (_segments(index) if headers or checksums else []):
         if name not in shards_on_disk:
             continue
         rows = np.asarray(rows, np.int64)
@@ -250,12 +242,25 @@ def verify_store(root: str | Path, *, checksums: bool = True, headers: bool = Tr
             "seconds": time.perf_counter() - t0}
 
 
+def _segments(index: pa.Table):
+    """(shard, segment offset, segment bytes, its rows) per segment, grouped with Arrow (a
+    million rows: no Python object per row)."""
+    groups = (pa.table({"shard": index.column("shard"), "seg": index.column("shard_offset"),
+                        "len": index.column("segment_bytes"),
+                        "row": pa.array(np.arange(index.num_rows, dtype=np.int64))})
+              .group_by(["shard", "seg", "len"]).aggregate([("row", "list")])
+              .sort_by([("shard", "ascending"), ("seg", "ascending")]))
+    return zip(groups.column("shard").to_pylist(), groups.column("seg").to_pylist(),
+               groups.column("len").to_pylist(),
+               groups.column("row_list").to_numpy(zero_copy_only=False))
+
+
 def row_bytes(manifest: StoreManifest) -> int:
-    """Bytes one token takes in a segment, all tensors together (store/format.py)."""
-    elem = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1}[manifest.dtype]
-    A = len(manifest.aux_layer_ids)
-    n = (A + 1) * manifest.hidden_size * elem + 4 + 1  # aux, final, input_ids, loss_mask
-    return n + (A * 4 + 4 if manifest.dtype == "fp8_e4m3" else 0)
+    """Bytes one token takes in a segment, all tensors together (plan/budget.py's count)."""
+    from eagle_ray.plan.budget import TOKEN_META_BYTES, feature_bytes_per_token
+
+    return feature_bytes_per_token(len(manifest.aux_layer_ids), manifest.hidden_size,
+                                   manifest.dtype) + TOKEN_META_BYTES
 
 
 def _rows_within_segments(index: pa.Table, manifest: StoreManifest) -> list[str]:
@@ -264,11 +269,11 @@ def _rows_within_segments(index: pa.Table, manifest: StoreManifest) -> list[str]
     if not index.num_rows:
         return []
     ln = index.column("segment_bytes").to_numpy()
-    end = index.column("offset").to_numpy() + index.column("num_tokens").to_numpy().astype(np.int64)
-    bad = np.flatnonzero((index.column("offset").to_numpy() < 0)
-                         | ((ln >= 0) & (end * row_bytes(manifest) > ln - 8)))
+    start = index.column("offset").to_numpy()
+    end = start + index.column("num_tokens").to_numpy().astype(np.int64)
+    bad = np.flatnonzero((start < 0) | ((ln >= 0) & (end * row_bytes(manifest) > ln - 8)))
     ids = index.column("sample_id")
-    return [f"{ids[int(i)].as_py()}: rows [{index.column('offset')[int(i)].as_py()}, {end[i]}) "
+    return [f"{ids[int(i)].as_py()}: rows [{start[i]}, {end[i]}) "
             f"do not fit its segment of {ln[i]} bytes in {index.column('shard')[int(i)].as_py()}"
             for i in bad[:20]]
 

@@ -28,7 +28,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle_ray.common.provenance import fsync_dir
-from eagle_ray.store.format import INDEX_DIR, SHARDS_DIR, sample_checksum, tensor_bytes
+from eagle_ray.store.format import (INDEX_DIR, SHARDS_DIR, sample_checksum, stored_tensors,
+                                    tensor_bytes)
 from eagle_ray.store.lock import store_lock
 from eagle_ray.store.reader import StoreDamagedError, read_index_part, read_manifest
 
@@ -41,8 +42,7 @@ def _row_checker(root: Path, manifest):
 
     files = ShardFiles(root / SHARDS_DIR, max_open=8)
     segments: dict[tuple[str, int], Any] = {}
-    expected = {"aux", "final", "input_ids", "loss_mask"} | (
-        {"aux_scale", "final_scale"} if manifest.dtype == "fp8_e4m3" else set())
+    expected = stored_tensors(manifest.dtype)
 
     def segment(name: str, offset: int):
         key = (name, offset)
@@ -81,7 +81,8 @@ def _settle_layout(root: Path) -> int:
     from eagle_ray.store.reader import layout, read_dropped
 
     lay = layout(root)
-    dropped = read_dropped(root)
+    before = read_dropped(root)
+    dropped = {k: list(v) for k, v in before.items()}
     total = 0
     for name, ranges in lay.gaps.items():
         path = root / SHARDS_DIR / name
@@ -95,7 +96,7 @@ def _settle_layout(root: Path) -> int:
             else:
                 dropped.setdefault(name, []).append([a, b])
     dropped = {k: v for k, v in dropped.items() if (root / SHARDS_DIR / k).exists()}
-    if dropped != read_dropped(root):
+    if dropped != before:
         atomic_write_json(root / DROPPED_FILE, dropped)
     return total
 

@@ -206,7 +206,7 @@ class StoreWriter:
             # ENOSPC and friends: leave nothing half-written. A new shard whose index part
             # did not land is garbage, so is an appended tail; remove them now rather than
             # leave them for repair.
-            if not part.exists() and not new and appended:
+            if appended and not part.exists():
                 try:  # before the temporary part goes: a tail without one reads as damage
                     os.truncate(shard, start)
                 except OSError:

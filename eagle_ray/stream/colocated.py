@@ -52,7 +52,7 @@ COLOCATED_SCHEMA = pa.schema([
 ])
 
 
-def _generated_rows(generated: pa.Table) -> pa.Table:
+def generated_rows(generated: pa.Table) -> pa.Table:
     """Already generated rows (extraction's columns) as COLOCATED_SCHEMA: only the capture."""
     n = generated.num_rows
     return pa.table({
@@ -72,18 +72,17 @@ def _prompt_rows(prompts: pa.Table) -> pa.Table:
         "completion_token_ids": pa.nulls(n, pa.list_(pa.int32()))}).cast(COLOCATED_SCHEMA)
 
 
-def colocated_input(recipe, prompts: Path, done: pa.Array, leftover=None):
+def colocated_input(recipe, prompts: Path, done: pa.Array, leftover=None, *,
+                    with_prompts: bool = True):
     """A Ray Dataset of COLOCATED_SCHEMA rows in blocks of generate.batch_size: rows already
-    generated (`leftover`, a generate.prompts.ParquetRows of parts) first, they need only the
-    capture; then the prompts not in `done`. Read on the workers."""
-    from eagle_ray.generate.prompts import ParquetRows, count_not_in, dataset
+    generated first (`leftover`, a generate.prompts.ParquetRows of parts converting with
+    `generated_rows`), they need only the capture; then, `with_prompts`, the prompts not in
+    `done`. Read on the workers."""
+    from eagle_ray.generate.prompts import ParquetRows, dataset
     from eagle_ray.generate.stage import INPUT_COLUMNS
 
-    streams = []
-    if leftover is not None:
-        leftover.block_rows, leftover.convert = recipe.generate.batch_size, _generated_rows
-        streams.append(dataset(leftover))
-    if count_not_in(prompts, done):
+    streams = [dataset(leftover)] if leftover is not None else []
+    if with_prompts:
         streams.append(dataset(ParquetRows([prompts], list(INPUT_COLUMNS),
                                            block_rows=recipe.generate.batch_size, exclude=done,
                                            convert=_prompt_rows)))
