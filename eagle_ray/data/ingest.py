@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle_ray.common.logs import display_path
-from eagle_ray.data.formats import _Reject, _canon_encode, _parse, _tname, canonical_json
+from eagle_ray.data.formats import _Reject, _canon_encode, _loads, _parse, _tname, canonical_json
 from eagle_ray.data.mix import SourceSpec, _check_sources, _selection, _shuffle_mix
 from eagle_ray.data.validate import (
     _BOM,
@@ -221,7 +221,7 @@ class _Ingestor:
         limit = self.max_line_bytes + 1
         hasher = hashlib.sha256()
         update = hasher.update
-        loads = json.loads
+        loads = _loads
         sha256 = hashlib.sha256
         seen = self.seen
         a_src, a_line, a_msgs, a_ref, a_turns, a_hash = (
@@ -403,21 +403,22 @@ class _Ingestor:
         return keep, shortfall, info
 
     def build_table(self, keep: list[int]) -> pa.Table:
-        paths = [s.name for s in self.sources]  # the source column holds labels
-        a_src, a_line, a_msgs, a_ref, a_turns, a_hash = (
-            self.a_src, self.a_line, self.a_msgs, self.a_ref, self.a_turns, self.a_hash
-        )
-        hashes = [a_hash[i] for i in keep]
+        """The kept samples in `keep`'s order, gathered by Arrow (no Python object per row)."""
+        import pyarrow.compute as pc
+
+        sel = pa.array(keep, pa.int64())
+        hashes = pa.array(self.a_hash, pa.string()).take(sel)
+        labels = pa.array([s.name for s in self.sources], pa.string())  # the source column holds labels
         # pa.array returns a ChunkedArray if a string column outgrows 2 GiB; from_arrays takes both.
         return pa.Table.from_arrays(
             [
-                pa.array(["s" + h[:20] for h in hashes], pa.string()),
-                pa.array([paths[a_src[i]] for i in keep], pa.string()),
-                pa.array([a_line[i] for i in keep], pa.int64()),
-                pa.array([a_msgs[i] for i in keep], pa.string()),
-                pa.array([a_ref[i] for i in keep], pa.string()),
-                pa.array([a_turns[i] for i in keep], pa.int32()),
-                pa.array(hashes, pa.string()),
+                pc.binary_join_element_wise("s", pc.utf8_slice_codeunits(hashes, 0, 20), ""),
+                labels.take(pa.array(self.a_src, pa.int32()).take(sel)),
+                pa.array(self.a_line, pa.int64()).take(sel),
+                pa.array(self.a_msgs, pa.string()).take(sel),
+                pa.array(self.a_ref, pa.string()).take(sel),
+                pa.array(self.a_turns, pa.int32()).take(sel),
+                hashes,
             ],
             schema=PROMPTS_SCHEMA,
         )
