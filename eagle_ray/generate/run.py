@@ -260,26 +260,24 @@ def run_generate(recipe: Recipe, prompts: str | Path, out_dir: str | Path, *,
                           completion_tokens=n_tok, seconds=time.time() - t0)
 
 
-CONSOLIDATE_CHUNK = 16384  # rows gathered (and written as one row group) at a time
+CONSOLIDATE_CHUNK = 4096  # rows gathered (and written as one row group) at a time
 
 
-def _gather(files: list[Path], sel: pa.Table, columns: list[str]):
-    """Rows (`_file`, `_row`) of sel, from the part files, in sel's order, a chunk at a time
-    (an LRU of a few part files: parts hold neighbouring prompts, so each is read ~once)."""
+def _gather(files: list[Path], fidx, rows, columns: list[str]):
+    """Rows (file `fidx[i]`, row `rows[i]`) from the part files, in that order, a chunk at a
+    time (an LRU of a few part files: parts hold neighbouring prompts, so each is read ~once)."""
     from collections import OrderedDict
 
     import numpy as np
 
     cache: OrderedDict[int, pa.Table] = OrderedDict()
-    for lo in range(0, sel.num_rows, CONSOLIDATE_CHUNK):
-        c = sel.slice(lo, CONSOLIDATE_CHUNK)
-        fidx = c.column("_file").to_numpy()
-        rows = c.column("_row").to_numpy()
-        by_file = np.argsort(fidx, kind="stable")
-        cuts = np.flatnonzero(np.diff(fidx[by_file])) + 1
+    for lo in range(0, len(fidx), CONSOLIDATE_CHUNK):
+        f, r = fidx[lo:lo + CONSOLIDATE_CHUNK], rows[lo:lo + CONSOLIDATE_CHUNK]
+        by_file = np.argsort(f, kind="stable")
+        cuts = np.flatnonzero(np.diff(f[by_file])) + 1
         pieces = []
         for grp in np.split(by_file, cuts):
-            fi = int(fidx[grp[0]])
+            fi = int(f[grp[0]])
             t = cache.get(fi)
             if t is None:
                 t = cache[fi] = _read_part(files[fi]).select(columns)
@@ -287,49 +285,114 @@ def _gather(files: list[Path], sel: pa.Table, columns: list[str]):
                     cache.popitem(last=False)
             else:
                 cache.move_to_end(fi)
-            pieces.append(t.take(pa.array(rows[grp])))
+            pieces.append(t.take(pa.array(r[grp])))
         whole = pa.concat_tables(pieces) if pieces else pa.schema(
             [CONVERSATIONS_SCHEMA.field(n) for n in columns]).empty_table()
         yield whole.take(pa.array(np.argsort(by_file, kind="stable")))
 
 
+def _fixed_width(arr: pa.Array):
+    """A string array whose values all have one byte length w (and no NUL byte) as a
+    zero-copy numpy `S<w>` view, so that sorting and searching are numpy's; else None."""
+    import numpy as np
+
+    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+    n = len(arr)
+    if n == 0 or arr.null_count or arr.type != pa.string():
+        return None
+    offs = np.frombuffer(arr.buffers()[1], np.int32, n + 1, arr.offset * 4)
+    w = int(offs[1] - offs[0])
+    if w <= 0 or int(offs[-1] - offs[0]) != w * n or np.any(np.diff(offs) != w):
+        return None
+    data = np.frombuffer(arr.buffers()[2], np.uint8)[offs[0]:offs[-1]]
+    if not data.all():
+        return None
+    return data.view(f"S{w}")
+
+
+def _ranks_by_search(ids: pa.Array, prompts: Path, limit: int | None):
+    """Each part row's prompt position, for one completion per prompt and ids of one width
+    (ingest's): the part ids sorted once (numpy), the prompt ids streamed a row group at a
+    time and searched in them; no hash table and no whole prompt-id column in memory.
+    Returns (positions, number of prompts, whether any id repeats), or None where the ids
+    are not of one width (the caller's general path)."""
+    import numpy as np
+
+    from eagle_ray.generate.prompts import iter_id_chunks
+
+    keys = _fixed_width(ids)
+    if keys is None:
+        return None
+    srt = np.argsort(keys, kind="stable")
+    sorted_keys = keys[srt]
+    repeats = bool(len(sorted_keys) > 1 and np.any(sorted_keys[1:] == sorted_keys[:-1]))
+    pos = np.full(len(keys), -1, np.int64)
+    base = 0
+    for chunk in iter_id_chunks(prompts, limit):
+        c = _fixed_width(chunk)
+        if c is None or c.dtype != keys.dtype:
+            return None  # prompt ids of other widths: the general path
+        at = np.minimum(np.searchsorted(sorted_keys, c), len(sorted_keys) - 1)
+        hit = np.flatnonzero(sorted_keys[at] == c)
+        target = srt[at[hit]]
+        first = pos[target] < 0  # a prompt listed twice: its first place, as index_in gives
+        target, hit = target[first], hit[first]
+        target, keep = np.unique(target, return_index=True)
+        pos[target] = base + hit[keep]
+        base += len(chunk)
+    return pos, base, repeats
+
+
+def _ranks_by_lookup(ids: pa.Array, prompts: Path, limit: int | None, n: int):
+    """The general path (any ids, several completions per prompt): Arrow's index_in over
+    the whole prompt-id column. Returns (positions, number of prompts, repeats)."""
+    from eagle_ray.generate.prompts import iter_id_chunks, prompt_ids
+
+    repeats = len(ids) - (pc.count_distinct(ids).as_py() if len(ids) else 0) > 0
+    order = pa.chunked_array(list(iter_id_chunks(prompts, limit)), pa.string()).combine_chunks()
+    pos = pc.index_in(ids if n == 1 else prompt_ids(ids), value_set=order)
+    return pos.fill_null(-1).to_numpy(zero_copy_only=False).astype("int64"), len(order), repeats
+
+
 def consolidate(out: Path, prompts: Path, params: dict, limit: int | None = None) -> dict[str, int]:
     """Parts -> conversations.parquet (prompt order, then completion index), rejects.jsonl,
-    manifest.json; atomic. Memory is bounded by id columns and one chunk of rows: the order
-    is computed on the sample ids, the rows are gathered from the parts chunk by chunk."""
+    manifest.json; atomic. Memory is bounded by the id column and one chunk of rows: the
+    order is computed on the sample ids (numpy, see _ranks_by_search), the rows are gathered
+    from the parts chunk by chunk."""
     import numpy as np
 
     from eagle_ray.common.provenance import fsync_dir
-    from eagle_ray.generate.prompts import completion_indices, iter_id_chunks, prompt_ids
+    from eagle_ray.generate.prompts import completion_indices
 
     read = read_parts(out / PARTS_DIR)
     parts = [f for f, _ in read]
-    pieces = []
-    for fi, (_, t) in enumerate(read):
-        pieces.append(t.append_column("_file", pa.array(np.full(t.num_rows, fi, np.int32)))
-                       .append_column("_row", pa.array(np.arange(t.num_rows, dtype=np.int64))))
-    idx = (pa.concat_tables(pieces) if pieces else pa.table(
-        {"sample_id": pa.array([], pa.string()), "status": pa.array([], pa.string()),
-         "_file": pa.array([], pa.int32()), "_row": pa.array([], pa.int64())})).combine_chunks()
-    ids = idx.column("sample_id")
-    n_dup = idx.num_rows - (pc.count_distinct(ids).as_py() if idx.num_rows else 0)
-    if n_dup:  # cannot happen by construction; never ship duplicates
-        raise AssertionError(f"{n_dup} duplicate sample ids across parts in {out}")
-    order = pa.chunked_array(list(iter_id_chunks(prompts, limit)), pa.string()).combine_chunks()
-    n_prompts = len(order)
+    n_rows = [t.num_rows for _, t in read]
+    fidx = np.repeat(np.arange(len(read), dtype=np.int32), n_rows)
+    rowidx = np.concatenate([np.arange(k, dtype=np.int64) for k in n_rows]) if read else \
+        np.zeros(0, np.int64)
+    ids = pa.chunked_array([c for _, t in read for c in t.column("sample_id").chunks],
+                           pa.string()).combine_chunks()
+    is_ok = np.concatenate([pc.equal(t.column("status"), "ok").to_numpy().astype(bool)
+                            for _, t in read]) if read else np.zeros(0, bool)
+    del read
     n = params["sampling"]["samples_per_prompt"] if params.get("sampling") else 1
-    pos = pc.index_in(ids if n == 1 else prompt_ids(ids), value_set=order)
-    if pos.null_count:
-        extra = ids.filter(pc.is_null(pos))[0].as_py()
-        raise ValueError(f"{out} holds {pos.null_count} samples that are not in these prompts "
-                         f"(e.g. {extra}); it belongs to another prompt set")
-    del order
+    found = _ranks_by_search(ids, prompts, limit) if n == 1 else None
+    pos, n_prompts, repeats = found or _ranks_by_lookup(ids, prompts, limit, n)
+    if repeats:  # cannot happen by construction; never ship duplicates
+        n_dup = len(ids) - pc.count_distinct(ids).as_py()
+        raise AssertionError(f"{n_dup} duplicate sample ids across parts in {out}")
+    missing = np.flatnonzero(pos < 0)
+    if len(missing):
+        raise ValueError(f"{out} holds {len(missing)} samples that are not in these prompts "
+                         f"(e.g. {ids[int(missing[0])].as_py()}); it belongs to another prompt set")
     # prompt order, then completion index (ids "<prompt>#<j>")
-    rank = pc.cast(pos, pa.int64()) if n == 1 else pc.add(pc.multiply(pc.cast(pos, pa.int64()), n),
-                                                            completion_indices(ids))
-    idx = idx.append_column("_rank", rank).sort_by("_rank")
-    is_ok = pc.equal(idx.column("status"), "ok")
-    ok_sel, rej_sel = idx.filter(is_ok), idx.filter(pc.invert(is_ok))
+    rank = pos if n == 1 else pos * n + completion_indices(ids).to_numpy()
+    del ids, pos
+    order = np.argsort(rank, kind="stable")
+    del rank
+    ok_order, rej_order = order[is_ok[order]], order[~is_ok[order]]
+    n_done = len(order)
+    del order
 
     path = out / CONVERSATIONS_FILE
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -337,9 +400,9 @@ def consolidate(out: Path, prompts: Path, params: dict, limit: int | None = None
     try:
         with open(tmp, "wb") as f:
             with pq.ParquetWriter(f, CONVERSATIONS_SCHEMA, compression="zstd") as w:
-                if not ok_sel.num_rows:
+                if not len(ok_order):
                     w.write_table(CONVERSATIONS_SCHEMA.empty_table())
-                for chunk in _gather(parts, ok_sel, CONVERSATIONS_SCHEMA.names):
+                for chunk in _gather(parts, fidx[ok_order], rowidx[ok_order], CONVERSATIONS_SCHEMA.names):
                     w.write_table(chunk, row_group_size=CONSOLIDATE_CHUNK)
                     tokens += int(pc.sum(chunk.column("num_completion_tokens")).as_py() or 0)
                     for r in pc.value_counts(chunk.column("finish_reason")).to_pylist():
@@ -351,13 +414,13 @@ def consolidate(out: Path, prompts: Path, params: dict, limit: int | None = None
     finally:
         tmp.unlink(missing_ok=True)
     lines = []
-    for chunk in _gather(parts, rej_sel, ["sample_id", "source", "reason", "message"]):
+    for chunk in _gather(parts, fidx[rej_order], rowidx[rej_order], ["sample_id", "source", "reason", "message"]):
         lines += [json.dumps({"sample_id": r["sample_id"], "source": r["source"],
                               "reason": r["reason"], "message": r["message"]}, ensure_ascii=False)
                   for r in chunk.to_pylist()]
     atomic_write_bytes(out / REJECTS_FILE, "".join(l + "\n" for l in lines).encode())
-    counts = {"prompts": n_prompts, "samples_per_prompt": n, "ok": ok_sel.num_rows,
-              "rejected": rej_sel.num_rows, "pending": n_prompts * n - idx.num_rows}
+    counts = {"prompts": n_prompts, "samples_per_prompt": n, "ok": len(ok_order),
+              "rejected": len(rej_order), "pending": n_prompts * n - n_done}
     import vllm  # version of the engine that produced the outputs
 
     manifest = {"schema_version": SCHEMA_VERSION, "stage": "generate", **params,

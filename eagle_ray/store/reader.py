@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from eagle_ray.store.format import (DROPPED_FILE, INDEX_DIR, INDEX_SCHEMA, MANIF
                                     SCHEMA_VERSION, SHARDS_DIR, StoreDamagedError, StoreError,
                                     StoreManifest, repair_hint, sample_checksum, stored_tensors,
                                     tensor_bytes)
-from eagle_ray.store.segments import ShardFiles
+from eagle_ray.store.segments import ShardFiles, read_header
 
 
 def read_manifest(root: str | Path) -> StoreManifest:
@@ -183,7 +184,6 @@ def verify_store(root: str | Path, *, checksums: bool = True, headers: bool = Tr
         problems.append(f"{dup} sample id(s) committed more than once")
     shards_on_disk = {p.name for p in (root / SHARDS_DIR).glob("shard-*.safetensors")}
     expected_keys = stored_tensors(manifest.dtype)
-    files = ShardFiles(root / SHARDS_DIR, max_open=8)
     offsets = index.column("offset").to_numpy()
     ntok = index.column("num_tokens").to_numpy().astype(np.int64)
     referenced = set(pc.unique(index.column("shard")).to_pylist()) if index.num_rows else set()
@@ -191,45 +191,76 @@ def verify_store(root: str | Path, *, checksums: bool = True, headers: bool = Tr
         problems.append(f"index references missing shard {name}")
     problems += _rows_within_segments(index, manifest)
     hashed = 0
-    for name, seg_off, seg_len, rows in (_segments(index) if headers or checksums else []):
-        if name not in shards_on_disk:
-            continue
-        rows = np.asarray(rows, np.int64)
-        where = f"{name}" + (f" @ byte {seg_off}" if seg_off else "")
-        try:
-            seg = files.segment(name, seg_off)
-            if seg_len >= 0 and seg.end != seg_off + seg_len:
-                problems.append(f"{where}: the segment ends at byte {seg.end}, the index says "
+    if (headers or checksums) and index.num_rows:
+        segs = _segments(index)
+        rows_of = np.split(segs.order, segs.first[1:]) if checksums else []
+        seg_rows = np.full(len(segs.first), -1, np.int64)  # each segment's rows (T); -1: unread
+        verdicts: dict = {}  # Header (by identity: one per distinct header) -> (problem, T)
+        files = ShardFiles(root / SHARDS_DIR, max_open=8)
+        fd, fd_name, size = -1, None, 0
+        for i in range(len(segs.first)):
+            name = segs.names[segs.shard[i]]
+            if name not in shards_on_disk:
+                continue
+            seg_off, seg_len = int(segs.offset[i]), int(segs.length[i])
+            where = f"{name}" + (f" @ byte {seg_off}" if seg_off else "")
+            try:
+                if name != fd_name:
+                    if fd >= 0:
+                        os.close(fd)
+                    fd, fd_name = -1, None
+                    fd_path = root / SHARDS_DIR / name
+                    fd = os.open(fd_path, os.O_RDONLY)
+                    fd_name, size = name, os.fstat(fd).st_size
+                hdr, data = read_header(fd, fd_path, seg_off, size)
+            except Exception as e:  # an unreadable shard is a finding, not a crash
+                problems.append(f"{where}: unreadable ({type(e).__name__}: {e})")
+                continue
+            end = data + hdr.data_bytes
+            if seg_len >= 0 and end != seg_off + seg_len:
+                problems.append(f"{where}: the segment ends at byte {end}, the index says "
                                 f"{seg_off + seg_len}")
                 continue
-            keys = set(seg.keys())
-            if keys != expected_keys:
-                problems.append(f"{where}: tensors {sorted(keys)} != expected {sorted(expected_keys)}")
+            v = verdicts.get(hdr)
+            if v is None:
+                problem = _header_problem(hdr, expected_keys, manifest)
+                v = verdicts[hdr] = (problem, 0 if problem else hdr.tensors["input_ids"].shape[0])
+            if v[0] is not None:
+                problems.append(f"{where}: {v[0]}")
                 continue
-            T = seg.shape("input_ids")[0]
-            if seg.shape("aux") != (T, manifest.aux_width) or \
-                    seg.shape("final") != (T, manifest.hidden_size):
-                problems.append(f"{where}: tensor shapes do not match the manifest")
-                continue
-            a, n = offsets[rows], ntok[rows]
-            for i in rows[(a < 0) | (a + n > T)]:
-                problems.append(f"{index.column('sample_id')[int(i)].as_py()}: rows [{offsets[i]}, "
-                                f"{offsets[i] + ntok[i]}) outside {where} ({T} rows)")
+            seg_rows[i] = v[1]
             if not checksums:
                 continue
+            rows = rows_of[i]
+            T = v[1]
+            a, n = offsets[rows], ntok[rows]
             ok_rows = rows[(a >= 0) & (a + n <= T)]
+            seg = files.segment(name, seg_off)
+            keys = sorted(seg.keys())
             sums = index.column("checksum").take(pa.array(ok_rows)).to_pylist()
             sids = index.column("sample_id").take(pa.array(ok_rows)).to_pylist()
-            for i, want, sid in zip(ok_rows, sums, sids):
-                a0, n0 = int(offsets[i]), int(ntok[i])
-                parts = [tensor_bytes(seg.rows(k, a0, a0 + n0)) for k in sorted(keys)]
-                hashed += sum(p.nbytes for p in parts)
-                got = sample_checksum(parts)
-                if got != want:
-                    problems.append(f"{sid}: checksum mismatch in {where}")
-        except Exception as e:  # an unreadable shard is a finding, not a crash
-            problems.append(f"{where}: unreadable ({type(e).__name__}: {e})")
-    files.close()
+            try:
+                for r, want, sid in zip(ok_rows, sums, sids):
+                    a0, n0 = int(offsets[r]), int(ntok[r])
+                    parts = [tensor_bytes(seg.rows(k, a0, a0 + n0)) for k in keys]
+                    hashed += sum(p.nbytes for p in parts)
+                    if sample_checksum(parts) != want:
+                        problems.append(f"{sid}: checksum mismatch in {where}")
+            except Exception as e:
+                problems.append(f"{where}: unreadable ({type(e).__name__}: {e})")
+        if fd >= 0:
+            os.close(fd)
+        files.close()
+        # every row inside its segment's T rows, for all read segments at once
+        T = seg_rows[segs.seg_of_row]
+        bad = np.flatnonzero((T >= 0) & ((offsets < 0) | (offsets + ntok > T)))
+        ids = index.column("sample_id")
+        for r in bad:
+            i = segs.seg_of_row[r]
+            name, seg_off = segs.names[segs.shard[i]], int(segs.offset[i])
+            where = f"{name}" + (f" @ byte {seg_off}" if seg_off else "")
+            problems.append(f"{ids[int(r)].as_py()}: rows [{offsets[r]}, {offsets[r] + ntok[r]}) "
+                            f"outside {where} ({T[r]} rows)")
     lay = layout(root, index)
     problems += lay.problems
     paths, tails = interrupted_writes(root, referenced, lay)
@@ -242,17 +273,47 @@ def verify_store(root: str | Path, *, checksums: bool = True, headers: bool = Tr
             "seconds": time.perf_counter() - t0}
 
 
-def _segments(index: pa.Table):
-    """(shard, segment offset, segment bytes, its rows) per segment, grouped with Arrow (a
-    million rows: no Python object per row)."""
-    groups = (pa.table({"shard": index.column("shard"), "seg": index.column("shard_offset"),
-                        "len": index.column("segment_bytes"),
-                        "row": pa.array(np.arange(index.num_rows, dtype=np.int64))})
-              .group_by(["shard", "seg", "len"]).aggregate([("row", "list")])
-              .sort_by([("shard", "ascending"), ("seg", "ascending")]))
-    return zip(groups.column("shard").to_pylist(), groups.column("seg").to_pylist(),
-               groups.column("len").to_pylist(),
-               groups.column("row_list").to_numpy(zero_copy_only=False))
+def _header_problem(hdr, expected_keys: set, manifest: StoreManifest) -> str | None:
+    """What is wrong with a segment header against the manifest (None: nothing)."""
+    keys = set(hdr.tensors)
+    if keys != expected_keys:
+        return f"tensors {sorted(keys)} != expected {sorted(expected_keys)}"
+    T = hdr.tensors["input_ids"].shape[0]
+    if hdr.tensors["aux"].shape != (T, manifest.aux_width) or \
+            hdr.tensors["final"].shape != (T, manifest.hidden_size):
+        return "tensor shapes do not match the manifest"
+    return None
+
+
+@dataclasses.dataclass
+class _Segments:
+    """The index's segments in (shard, offset) order, with numpy arrays only."""
+
+    names: list[str]        # shard names; `shard` indexes into it
+    shard: np.ndarray       # per segment
+    offset: np.ndarray      # per segment: byte offset in the shard
+    length: np.ndarray      # per segment: bytes (-1: the whole file)
+    order: np.ndarray       # index rows sorted by segment
+    first: np.ndarray       # per segment: its first position in `order`
+    seg_of_row: np.ndarray  # per index row: its segment
+
+
+def _segments(index: pa.Table) -> _Segments:
+    """Group the index rows by (shard, shard_offset, segment_bytes), vectorised (a million
+    rows: no Python object per row)."""
+    d = pc.dictionary_encode(index.column("shard").combine_chunks())
+    codes = d.indices.to_numpy().astype(np.int64)
+    off = index.column("shard_offset").to_numpy().astype(np.int64)
+    ln = index.column("segment_bytes").to_numpy().astype(np.int64)
+    order = np.lexsort((ln, off, codes))
+    c, o, l_ = codes[order], off[order], ln[order]
+    new = np.ones(len(order), bool)
+    new[1:] = (c[1:] != c[:-1]) | (o[1:] != o[:-1]) | (l_[1:] != l_[:-1])
+    first = np.flatnonzero(new)
+    seg_of_row = np.empty(len(order), np.int64)
+    seg_of_row[order] = np.cumsum(new) - 1
+    return _Segments(d.dictionary.to_pylist(), c[first], o[first], l_[first], order, first,
+                     seg_of_row)
 
 
 def row_bytes(manifest: StoreManifest) -> int:

@@ -54,45 +54,83 @@ class TensorInfo:
         return n
 
 
+@dataclass(frozen=True, eq=False)
+class Header:
+    """A segment header, parsed: tensor byte ranges relative to the segment's data (the
+    bytes after the header). Segments of equal headers share one (`read_header`)."""
+
+    length: int                     # the header's JSON bytes
+    tensors: dict[str, TensorInfo]  # start/end relative to the data
+    metadata: dict
+    data_bytes: int                 # where the last tensor ends, relative to the data
+
+
+_HEADERS: dict[bytes, Header] = {}  # header bytes -> parsed (writes of one size share one)
+_HEADERS_MAX = 4096
+
+
+def _parse_header(raw: bytes, path: Path, offset: int) -> Header:
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise StoreDamagedError(f"{path}: segment header at byte {offset} is not JSON ({e})") from None
+    try:
+        metadata = header.pop("__metadata__", {}) or {}
+        tensors: dict[str, TensorInfo] = {}
+        end = 0
+        for k, v in header.items():
+            a, b = v["data_offsets"]
+            info = TensorInfo(v["dtype"], tuple(v["shape"]), a, b)
+            n_el = 1
+            for d in info.shape:
+                n_el *= d
+            if info.dtype not in _DTYPES or b - a != n_el * _DTYPES[info.dtype][1]:
+                raise ValueError(f"tensor {k}: {info.dtype} {list(info.shape)} does not fit "
+                                 f"{b - a} bytes")
+            tensors[k] = info
+            end = max(end, b)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise StoreDamagedError(f"{path}: segment at byte {offset} has a bad header ({e})") from None
+    return Header(len(raw), tensors, metadata, end)
+
+
+def read_header(fd: int, path: Path, offset: int, file_size: int) -> tuple[Header, int]:
+    """The header of the segment at `offset` and where its data starts (absolute); one
+    pread, one parse per distinct header. Damage (a length past the file, not JSON, a
+    tensor that does not fit its bytes, data past the file's end) raises StoreDamagedError."""
+    head = os.pread(fd, HEAD_READ, offset)  # one read holds a typical header whole
+    if len(head) < 8:
+        raise StoreDamagedError(f"{path}: no segment header at byte {offset} (file has "
+                                f"{file_size} bytes)")
+    (n,) = struct.unpack_from("<Q", head)
+    if n > MAX_HEADER or offset + 8 + n > file_size:
+        raise StoreDamagedError(f"{path}: segment at byte {offset} has a header length of {n} "
+                                f"bytes, past the file's {file_size} bytes")
+    raw = head[8:8 + n] if 8 + n <= len(head) else os.pread(fd, n, offset + 8)
+    hdr = _HEADERS.get(raw)
+    if hdr is None:
+        hdr = _parse_header(raw, path, offset)
+        if len(_HEADERS) >= _HEADERS_MAX:
+            _HEADERS.clear()
+        _HEADERS[raw] = hdr
+    data = offset + 8 + n
+    if data + hdr.data_bytes > file_size:
+        raise StoreDamagedError(f"{path}: segment at byte {offset} ends at byte "
+                                f"{data + hdr.data_bytes}, past the file's {file_size} bytes "
+                                "(truncated)")
+    return hdr, data
+
+
 class Segment:
     """One write's tensors inside a shard file."""
 
     def __init__(self, fd: int, path: Path, offset: int, file_size: int):
         self.path, self.offset = path, offset
-        head = os.pread(fd, HEAD_READ, offset)  # one read holds a typical header whole
-        if len(head) < 8:
-            raise StoreDamagedError(f"{path}: no segment header at byte {offset} (file has "
-                                    f"{file_size} bytes)")
-        (n,) = struct.unpack_from("<Q", head)
-        if n > MAX_HEADER or offset + 8 + n > file_size:
-            raise StoreDamagedError(f"{path}: segment at byte {offset} has a header length of {n} "
-                                    f"bytes, past the file's {file_size} bytes")
-        try:
-            header = json.loads(head[8:8 + n] if 8 + n <= len(head) else os.pread(fd, n, offset + 8))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise StoreDamagedError(f"{path}: segment header at byte {offset} is not JSON ({e})") from None
-        self.metadata = header.pop("__metadata__", {}) or {}
-        data = offset + 8 + n
-        self.tensors: dict[str, TensorInfo] = {}
-        end = data
-        try:
-            for k, v in header.items():
-                a, b = v["data_offsets"]
-                info = TensorInfo(v["dtype"], tuple(v["shape"]), data + a, data + b)
-                n_el = 1
-                for d in info.shape:
-                    n_el *= d
-                if info.dtype not in _DTYPES or b - a != n_el * _DTYPES[info.dtype][1]:
-                    raise ValueError(f"tensor {k}: {info.dtype} {list(info.shape)} does not fit "
-                                     f"{b - a} bytes")
-                self.tensors[k] = info
-                end = max(end, info.end)
-        except (KeyError, TypeError, ValueError) as e:
-            raise StoreDamagedError(f"{path}: segment at byte {offset} has a bad header ({e})") from None
-        if end > file_size:
-            raise StoreDamagedError(f"{path}: segment at byte {offset} ends at byte {end}, past the "
-                                    f"file's {file_size} bytes (truncated)")
-        self.end = end
+        hdr, data = read_header(fd, path, offset, file_size)
+        self.metadata = hdr.metadata
+        self.tensors: dict[str, TensorInfo] = {
+            k: TensorInfo(t.dtype, t.shape, data + t.start, data + t.end) for k, t in hdr.tensors.items()}
+        self.end = data + hdr.data_bytes
         self._fd = fd
 
     def keys(self) -> list[str]:

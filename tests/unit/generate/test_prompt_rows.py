@@ -120,3 +120,41 @@ def test_consolidate_refuses_parts_of_another_prompt_set(tmp_path):
     _part(parts, prompts, 8, 12, n=1)
     with pytest.raises(ValueError, match="2 samples that are not in these prompts"):
         run.consolidate(tmp_path / "gen", prompts, {"sampling": {"samples_per_prompt": 1}})
+
+
+def test_one_completion_per_prompt_orders_by_numpy_search_as_the_arrow_lookup_does(tmp_path, monkeypatch):
+    """n = 1 and ids of one width (ingest's) take the sorted-search path; it gives the
+    positions, the prompt count and the duplicate finding of the general path."""
+    import numpy as np
+
+    from eagle_ray.generate import run
+
+    monkeypatch.setattr(run, "CONSOLIDATE_CHUNK", 4)
+    prompts = tmp_path / "p.parquet"
+    _prompts(prompts, 40, row_group=6)
+    out = tmp_path / "gen"
+    parts = out / run.PARTS_DIR
+    parts.mkdir(parents=True)
+    for lo, hi in [(30, 36), (0, 5), (12, 20), (5, 12)]:
+        _part(parts, prompts, lo, hi, n=1, reject={7, 31})
+    ids = pa.chunked_array([c for _, t in run.read_parts(parts) for c in t.column("sample_id").chunks])
+    ids = ids.combine_chunks()
+    for limit in (None, 33):
+        fast = run._ranks_by_search(ids, prompts, limit)
+        slow = run._ranks_by_lookup(ids, prompts, limit, 1)
+        assert fast is not None
+        assert np.array_equal(fast[0], slow[0]) and fast[1:] == slow[1:]
+    assert (run._ranks_by_search(ids, prompts, 33)[0] < 0).sum() == 3  # prompts 33-35 beyond the limit
+    # a repeated id is found by both; ids of several widths are left to the general path
+    twice = pa.concat_arrays([ids, ids.slice(0, 1)])
+    assert run._ranks_by_search(twice, prompts, None)[2] and run._ranks_by_lookup(twice, prompts, None, 1)[2]
+    assert run._ranks_by_search(pa.array(["ab", "abc"]), prompts, None) is None
+
+    import vllm  # noqa: F401  (consolidate records its version)
+
+    counts = run.consolidate(out, prompts, {"sampling": {"samples_per_prompt": 1}})
+    assert counts == {"prompts": 40, "samples_per_prompt": 1, "ok": 24, "rejected": 2, "pending": 14}
+    want = [f"{i:064x}" for i in list(range(20)) + list(range(30, 36)) if i not in (7, 31)]
+    assert pq.read_table(out / run.CONVERSATIONS_FILE).column("sample_id").to_pylist() == want
+    rejects = [json.loads(l)["sample_id"] for l in (out / run.REJECTS_FILE).read_text().splitlines()]
+    assert rejects == [f"{7:064x}", f"{31:064x}"]
