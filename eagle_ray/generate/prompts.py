@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -24,11 +25,31 @@ from eagle_ray.data.ids import SEP
 
 
 def prompt_ids(sample_ids: pa.Array | pa.ChunkedArray) -> pa.Array:
-    """`ids.prompt_id` of every id, vectorised: the text before the first separator."""
+    """`ids.prompt_id` of every id, vectorised: the text before the first separator (the
+    array itself when no id has one: one completion per prompt)."""
     arr = sample_ids.combine_chunks() if isinstance(sample_ids, pa.ChunkedArray) else sample_ids
     if len(arr) == 0:
         return pa.array([], pa.string())
-    return pc.list_element(pc.split_pattern(arr, SEP, max_splits=1), 0)
+    if not pc.any(pc.match_substring(arr, SEP)).as_py():
+        return arr
+    return pc.replace_substring_regex(arr, SEP + ".*$", "")
+
+
+def fixed_width(arr: pa.Array):
+    """A string array whose values all have one byte length w (and no NUL byte) as a
+    zero-copy numpy `S<w>` view, so that sorting and searching are numpy's; else None."""
+    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+    n = len(arr)
+    if n == 0 or arr.null_count or arr.type != pa.string():
+        return None
+    offs = np.frombuffer(arr.buffers()[1], np.int32, n + 1, arr.offset * 4)
+    w = int(offs[1] - offs[0])
+    if w <= 0 or int(offs[-1] - offs[0]) != w * n or np.any(np.diff(offs) != w):
+        return None
+    data = np.frombuffer(arr.buffers()[2], np.uint8)[offs[0]:offs[-1]]
+    if not data.all():
+        return None
+    return data.view(f"S{w}")
 
 
 def completion_indices(sample_ids: pa.Array | pa.ChunkedArray) -> pa.Array:
@@ -60,11 +81,32 @@ def iter_id_chunks(path: Path, limit: int | None = None,
         yield col
 
 
+def unique_ids(ids: pa.Array) -> pa.Array:
+    """The distinct ids (in no particular order): numpy's sort for ids of one width (no
+    hash table of a million strings), else Arrow's unique."""
+    keys = fixed_width(ids)
+    if keys is None:
+        return pc.unique(ids)
+    u = np.unique(keys)
+    w = keys.dtype.itemsize
+    return pa.Array.from_buffers(pa.string(), len(u), [
+        None, pa.py_buffer(np.arange(0, (len(u) + 1) * w, w, dtype=np.int32)), pa.py_buffer(u.tobytes())])
+
+
 def count_not_in(path: Path, exclude: pa.Array, limit: int | None = None) -> int:
-    """How many of the first `limit` rows of `path` have an id not in `exclude`."""
+    """How many of the first `limit` rows of `path` have an id not in `exclude` (ids of one
+    width: `exclude` sorted once and searched, numpy; else Arrow's is_in per row group)."""
+    keys = fixed_width(exclude) if len(exclude) else None
+    if keys is not None:
+        keys = np.sort(keys)
     n = 0
     for ids in iter_id_chunks(path, limit):
-        n += len(ids) - (pc.sum(pc.is_in(ids, value_set=exclude)).as_py() or 0 if len(exclude) else 0)
+        c = fixed_width(ids) if keys is not None else None
+        if c is not None and c.dtype == keys.dtype:
+            at = np.minimum(np.searchsorted(keys, c), len(keys) - 1)
+            n += len(c) - int(np.count_nonzero(keys[at] == c))
+        else:
+            n += len(ids) - (pc.sum(pc.is_in(ids, value_set=exclude)).as_py() or 0 if len(exclude) else 0)
     return n
 
 

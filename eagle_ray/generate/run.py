@@ -135,7 +135,7 @@ def read_parts(parts_dir: Path) -> list[tuple[Path, pa.Table]]:
     good = []
     for f in live_files(parts_dir):
         try:
-            ids = pq.read_table(f, columns=["sample_id", "status"])
+            ids = pq.ParquetFile(f).read(columns=["sample_id", "status"])
         except (OSError, pa.ArrowException) as e:
             dest = parts_dir / DAMAGED_DIR / f.name
             dest.parent.mkdir(exist_ok=True)
@@ -178,11 +178,11 @@ def done_prompts(parts_dir: Path, parts: list[tuple[Path, pa.Table]] | None = No
     """Ids of the PROMPTS done in parts_dir (Arrow, unique; from `parts`, `read_parts`' result,
     when the caller has it): all completions of a prompt are written in one part (one
     batch), so a prompt is done when any of its rows is there."""
-    from eagle_ray.generate.prompts import prompt_ids
+    from eagle_ray.generate.prompts import prompt_ids, unique_ids
 
     parts = read_parts(parts_dir) if parts is None else parts
     ids = pa.chunked_array([c for _, t in parts for c in t.column("sample_id").chunks], pa.string())
-    return pc.unique(prompt_ids(ids))
+    return unique_ids(prompt_ids(ids))
 
 
 def _check_params(out: Path, params: dict) -> None:
@@ -291,25 +291,6 @@ def _gather(files: list[Path], fidx, rows, columns: list[str]):
         yield whole.take(pa.array(np.argsort(by_file, kind="stable")))
 
 
-def _fixed_width(arr: pa.Array):
-    """A string array whose values all have one byte length w (and no NUL byte) as a
-    zero-copy numpy `S<w>` view, so that sorting and searching are numpy's; else None."""
-    import numpy as np
-
-    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
-    n = len(arr)
-    if n == 0 or arr.null_count or arr.type != pa.string():
-        return None
-    offs = np.frombuffer(arr.buffers()[1], np.int32, n + 1, arr.offset * 4)
-    w = int(offs[1] - offs[0])
-    if w <= 0 or int(offs[-1] - offs[0]) != w * n or np.any(np.diff(offs) != w):
-        return None
-    data = np.frombuffer(arr.buffers()[2], np.uint8)[offs[0]:offs[-1]]
-    if not data.all():
-        return None
-    return data.view(f"S{w}")
-
-
 def _ranks_by_search(ids: pa.Array, prompts: Path, limit: int | None):
     """Each part row's prompt position, for one completion per prompt and ids of one width
     (ingest's): the part ids sorted once (numpy), the prompt ids streamed a row group at a
@@ -318,9 +299,9 @@ def _ranks_by_search(ids: pa.Array, prompts: Path, limit: int | None):
     are not of one width (the caller's general path)."""
     import numpy as np
 
-    from eagle_ray.generate.prompts import iter_id_chunks
+    from eagle_ray.generate.prompts import fixed_width, iter_id_chunks
 
-    keys = _fixed_width(ids)
+    keys = fixed_width(ids)
     if keys is None:
         return None
     srt = np.argsort(keys, kind="stable")
@@ -329,7 +310,7 @@ def _ranks_by_search(ids: pa.Array, prompts: Path, limit: int | None):
     pos = np.full(len(keys), -1, np.int64)
     base = 0
     for chunk in iter_id_chunks(prompts, limit):
-        c = _fixed_width(chunk)
+        c = fixed_width(chunk)
         if c is None or c.dtype != keys.dtype:
             return None  # prompt ids of other widths: the general path
         at = np.minimum(np.searchsorted(sorted_keys, c), len(sorted_keys) - 1)
