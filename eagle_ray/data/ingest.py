@@ -13,6 +13,8 @@ sampled_out == lines_read`` overall and per source before it writes anything.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import json
 import logging
@@ -146,6 +148,21 @@ class _AtomicFile:
             self.tmp.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def _no_cyclic_gc():
+    """The cyclic garbage collector off while lines are read: every parsed line is a few
+    dicts and lists, each allocation counts toward a collection that walks every container
+    of the process (imports included), and a line's objects hold no cycle (refcounting
+    frees them). 42K -> 66K lines/s on the 200K-line bench. Restored on the way out."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -177,8 +194,8 @@ class _Ingestor:
         # Accepted (deduplicated) samples, as parallel lists; the Arrow table is built once at the end.
         self.a_src: list[int] = []
         self.a_line: list[int] = []
-        self.a_msgs: list[str] = []
-        self.a_ref: list[str | None] = []
+        self.a_msgs: list[bytes] = []  # canonical JSON, UTF-8
+        self.a_ref: list[bytes | None] = []
         self.a_turns: list[int] = []
         self.a_hash: list[str] = []
         self.seen: dict[str, int] = {}  # content_hash -> index in the a_* lists
@@ -290,11 +307,12 @@ class _Ingestor:
                     continue
                 try:
                     prompt, ref, fmt = _parse(obj)
-                    m = _canon_encode(prompt)
-                    r = None if ref is None else _canon_encode(ref)
+                    # UTF-8 bytes from here on: hashed as they are, and Arrow takes them
+                    # without encoding each string again (or caching a copy in it).
+                    m = _canon_encode(prompt).encode("utf-8")
+                    r = None if ref is None else _canon_encode(ref).encode("utf-8")
                     # Equal to canonical_json(prompt, ref): sort_keys puts "messages" first.
-                    canon = '{"messages":' + m + ',"reference":' + (r or "null") + "}"
-                    h = sha256(canon.encode("utf-8")).hexdigest()
+                    h = sha256(b'{"messages":' + m + b',"reference":' + (r or b"null") + b"}").hexdigest()
                 except _Reject as e:
                     raw = _strip_eol(chunk)
                     self._reject(rejects, name, counts, lineno, line_start, e.code, e.message,
@@ -415,8 +433,8 @@ class _Ingestor:
                 pc.binary_join_element_wise("s", pc.utf8_slice_codeunits(hashes, 0, 20), ""),
                 labels.take(pa.array(self.a_src, pa.int32()).take(sel)),
                 pa.array(self.a_line, pa.int64()).take(sel),
-                pa.array(self.a_msgs, pa.string()).take(sel),
-                pa.array(self.a_ref, pa.string()).take(sel),
+                pa.array(self.a_msgs, pa.binary()).cast(pa.string()).take(sel),
+                pa.array(self.a_ref, pa.binary()).cast(pa.string()).take(sel),
                 pa.array(self.a_turns, pa.int32()).take(sel),
                 hashes,
             ],
@@ -457,8 +475,9 @@ def ingest(
         files.append(dups)
         sampled = _AtomicFile(out / SAMPLED_OUT_FILE)
         files.append(sampled)
-        for si in range(len(sources)):
-            ing.read_source(si, sizes[si], rejects, dups)
+        with _no_cyclic_gc():
+            for si in range(len(sources)):
+                ing.read_source(si, sizes[si], rejects, dups)
         keep, shortfall, sel_info = ing.select(sampled)
         table = ing.build_table(keep)
         ing.a_msgs = ing.a_ref = []  # the table holds its own copy now
