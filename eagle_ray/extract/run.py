@@ -139,8 +139,7 @@ def _extract_into(recipe: Recipe, table, store: Path, model_dir: Path, manifest:
     from eagle_ray.plan.budget import check_budget
 
     done = committed_ids(store)
-    todo = table.filter(pc.invert(pc.is_in(table.column("sample_id"),
-                                           pa.array(sorted(done), pa.string()))))
+    todo = table.filter(pc.invert(pc.is_in(table.column("sample_id"), value_set=done)))
     n_tokens = pc.sum(pc.min_element_wise(
         pc.add(table.column("num_prompt_tokens"), table.column("num_completion_tokens")),
         recipe.data.max_seq_len)).as_py() or 0

@@ -66,10 +66,12 @@ def read_index(root: str | Path) -> pa.Table:
     return pa.concat_tables([read_index_part(p) for p in files])
 
 
-def committed_ids(root: str | Path) -> set[str]:
+def committed_ids(root: str | Path) -> pa.Array:
+    """The distinct sample ids committed to the store (Arrow: a million ids are one array,
+    not a set of a million strings); empty when the store has no index yet."""
     if not (Path(root) / INDEX_DIR).exists():
-        return set()
-    return set(read_index(root).column("sample_id").to_pylist())
+        return pa.array([], pa.string())
+    return pc.unique(read_index(root).column("sample_id").combine_chunks())
 
 
 def _first_occurrence(table: pa.Table) -> pa.Table:

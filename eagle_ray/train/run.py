@@ -374,8 +374,11 @@ def _check_ids_in_store(store_dir: str | Path, info: dict) -> None:
     """A resumed run trains on the ids in run.json: all must still be in the store."""
     from eagle_ray.store.reader import committed_ids
 
-    have = committed_ids(store_dir)
-    gone = [sid for sid in info["train_ids"] + info["val_ids"] if sid not in have]
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    ids = pa.array(info["train_ids"] + info["val_ids"], pa.string())
+    gone = ids.filter(pc.invert(pc.is_in(ids, value_set=committed_ids(store_dir)))).to_pylist()
     if gone:
         raise ValueError(f"{len(gone)} sample(s) this run trains on (e.g. {gone[0]}) are no longer "
                          f"in {store_dir}; re-run `eagle-ray extract` into it to restore them, or "
