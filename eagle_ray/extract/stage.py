@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 
+from collections.abc import Mapping
+
 import numpy as np
 import pyarrow as pa
 
@@ -40,10 +42,59 @@ def window(prompt_ids: list[int], completion_ids: list[int], max_seq_len: int):
     return ids[:max_seq_len], mask[:max_seq_len], len(ids)
 
 
-def read_windows(conversations: str | Path, max_seq_len: int) -> dict[str, tuple[list[int], list[bool], int]]:
+class Windows(Mapping):
     """sample id -> (input_ids, loss_mask, untruncated length) of every ok conversation: the
-    training window exactly as `eagle-ray extract` cuts it (`window`). Online training and
-    the runtime check of an online-trained drafter read these instead of a store."""
+    training window exactly as `eagle-ray extract` cuts it (`window`), built when asked for.
+    The token lists stay in Arrow buffers (a million conversations are not a million Python
+    lists of ints on every training rank); lengths are numpy. A repeated id keeps its last
+    row, in its first place, as a dict built row by row would."""
+
+    def __init__(self, table: pa.Table, max_seq_len: int):
+        import pyarrow.compute as pc
+
+        self._max = int(max_seq_len)
+        ids = table.column("sample_id").to_pylist()
+        self._row = {sid: i for i, sid in enumerate(ids)}
+        self._p_off, self._p = self._flat(table.column("prompt_token_ids"))
+        self._c_off, self._c = self._flat(table.column("completion_token_ids"))
+        n = (pc.list_value_length(table.column("prompt_token_ids")).to_numpy(zero_copy_only=False)
+             .astype(np.int64) + pc.list_value_length(table.column("completion_token_ids"))
+             .to_numpy(zero_copy_only=False).astype(np.int64)) if table.num_rows else np.zeros(0, np.int64)
+        self._n = n
+
+    @staticmethod
+    def _flat(col) -> tuple[np.ndarray, np.ndarray]:
+        arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        arr = arr.fill_null([]) if arr.null_count else arr
+        offs = arr.offsets.to_numpy().astype(np.int64)
+        return offs - offs[0] if len(offs) else offs, arr.flatten().to_numpy(zero_copy_only=False)
+
+    def __getitem__(self, sid: str) -> tuple[list[int], list[bool], int]:
+        i = self._row[sid]
+        p = self._p[self._p_off[i]:self._p_off[i + 1]]
+        c = self._c[self._c_off[i]:self._c_off[i + 1]]
+        ids = np.concatenate([p, c]).astype(np.int32)
+        mask = np.arange(len(ids)) >= len(p)
+        return ids[:self._max].tolist(), mask[:self._max].tolist(), int(self._n[i])
+
+    def length(self, sid: str) -> int:
+        """len(self[sid][0]) without building the window."""
+        return int(min(self._n[self._row[sid]], self._max))
+
+    def __contains__(self, sid) -> bool:
+        return sid in self._row
+
+    def __iter__(self):
+        return iter(self._row)
+
+    def __len__(self) -> int:
+        return len(self._row)
+
+
+def read_windows(conversations: str | Path, max_seq_len: int) -> Windows:
+    """The `Windows` of every ok conversation in conversations.parquet (or its directory).
+    Online training and the runtime check of an online-trained drafter read these instead
+    of a store."""
     import pyarrow.compute as pc
 
     path = Path(conversations)
@@ -52,12 +103,7 @@ def read_windows(conversations: str | Path, max_seq_len: int) -> dict[str, tuple
     t = pq.read_table(path, columns=["sample_id", "status", "prompt_token_ids",
                                      "completion_token_ids"])
     t = t.filter(pc.equal(t.column("status"), "ok"))
-    out = {}
-    for sid, p, c in zip(t.column("sample_id").to_pylist(), t.column("prompt_token_ids").to_pylist(),
-                         t.column("completion_token_ids").to_pylist()):
-        ids, mask, n = window(p, c, max_seq_len)
-        out[sid] = (ids.tolist(), mask.tolist(), n)
-    return out
+    return Windows(t, max_seq_len)
 
 
 def decode_window(sample_id: str, encoded: dict, windows: dict) -> dict:

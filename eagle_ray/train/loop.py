@@ -162,8 +162,7 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
         windows = read_windows(online["conversations"], online["max_seq_len"])
         store = None
 
-        def length(sid):
-            return len(windows[sid][0])
+        length = windows.length
     else:
         store = HiddenStateStore(cfg["store"])
 

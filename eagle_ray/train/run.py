@@ -254,7 +254,7 @@ def _train_online(recipe: Recipe, conversations: str | Path, run: Path) -> dict[
         raise ValueError(f"{len(gone)} sample(s) this run trains on (e.g. {gone[0]}) are no longer "
                          f"in {conversations}; train into a new --out run directory")
     t = recipe.train
-    check_enough_for_a_step([len(windows[s][0]) for s in info["train_ids"]],
+    check_enough_for_a_step([windows.length(s) for s in info["train_ids"]],
                             tokens_per_batch=t.tokens_per_batch, seed=t.seed,
                             world=t.num_workers, accum=t.grad_accum, what="the conversations'")
     model_dir = resolve_target_path(recipe.target)
