@@ -81,6 +81,13 @@ def iter_id_chunks(path: Path, limit: int | None = None,
         yield col
 
 
+def search_sorted(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each of `values` is in the sorted `keys` (clipped to the last key) and whether
+    it is there: the membership test of the sorted-id paths."""
+    at = np.minimum(np.searchsorted(keys, values), len(keys) - 1)
+    return at, keys[at] == values
+
+
 def unique_ids(ids: pa.Array) -> pa.Array:
     """The distinct ids (in no particular order): numpy's sort for ids of one width (no
     hash table of a million strings), else Arrow's unique."""
@@ -103,8 +110,7 @@ def count_not_in(path: Path, exclude: pa.Array, limit: int | None = None) -> int
     for ids in iter_id_chunks(path, limit):
         c = fixed_width(ids) if keys is not None else None
         if c is not None and c.dtype == keys.dtype:
-            at = np.minimum(np.searchsorted(keys, c), len(keys) - 1)
-            n += len(c) - int(np.count_nonzero(keys[at] == c))
+            n += len(c) - int(np.count_nonzero(search_sorted(keys, c)[1]))
         else:
             n += len(ids) - (pc.sum(pc.is_in(ids, value_set=exclude)).as_py() or 0 if len(exclude) else 0)
     return n

@@ -299,7 +299,7 @@ def _ranks_by_search(ids: pa.Array, prompts: Path, limit: int | None):
     are not of one width (the caller's general path)."""
     import numpy as np
 
-    from eagle_ray.generate.prompts import fixed_width, iter_id_chunks
+    from eagle_ray.generate.prompts import fixed_width, iter_id_chunks, search_sorted
 
     keys = fixed_width(ids)
     if keys is None:
@@ -313,8 +313,8 @@ def _ranks_by_search(ids: pa.Array, prompts: Path, limit: int | None):
         c = fixed_width(chunk)
         if c is None or c.dtype != keys.dtype:
             return None  # prompt ids of other widths: the general path
-        at = np.minimum(np.searchsorted(sorted_keys, c), len(sorted_keys) - 1)
-        hit = np.flatnonzero(sorted_keys[at] == c)
+        at, found = search_sorted(sorted_keys, c)
+        hit = np.flatnonzero(found)
         target = srt[at[hit]]
         first = pos[target] < 0  # a prompt listed twice: its first place, as index_in gives
         target, hit = target[first], hit[first]
