@@ -12,6 +12,8 @@ replaces (`eagle_ray.replaces`, transitively). The protocol:
 Readers (`live_index_files`) read every compact file's metadata and skip every file a live
 compact file replaces, so at every instant each committed row is read exactly once: before
 step 2 from the inputs, after it from the compact file, whatever of step 3 has happened. A
+read takes time, so a reader of a directory another process compacts reads through
+`read_live`, which reads again when a switch happened meanwhile. A
 kill -9 before step 2 leaves a temporary file (an interrupted write, swept like the
 writer's); after it, leftover replaced files that the next compaction, `store repair` or
 `finish_compactions` removes. Parts committed while a compaction runs are not among its
@@ -80,6 +82,32 @@ def live_files(d: Path) -> list[Path]:
         replaced.update(replaced_by(c))
     return ([c for c in compacts if c.name not in replaced]
             + [p for p in sorted(d.glob("part-*.parquet")) if p.name not in replaced])
+
+
+def _compact_names(d: Path) -> set[str]:
+    return {c.name for c in d.glob("compact-*.parquet")}
+
+
+def read_live(d: Path, read) -> list[pa.Table]:
+    """`read(path)` of every live file of d, as one snapshot even while another process
+    compacts d. A switch (step 2) between listing and reading can unlink a listed part
+    before it is read, or land between `live_files`' two globs (its compact file unseen, the
+    parts it replaced already gone: rows silently missing). Every switch leaves a compact
+    name that was not there before (names are unique, and a compact file is only ever
+    removed by a newer one), so a read during which the set of compact names did not change
+    saw no switch; otherwise it is read again. A read that fails with no switch is damage."""
+    for _ in range(1000):
+        before = _compact_names(d)
+        try:
+            tables = [read(p) for p in live_files(d)]
+        except (OSError, StoreDamagedError):
+            if _compact_names(d) == before:
+                raise
+            continue
+        if _compact_names(d) == before:
+            return tables
+    raise StoreDamagedError(f"{d}: compactions kept switching while its files were read "
+                            f"(1000 tries)")
 
 
 def live_index_files(root: str | Path) -> list[Path]:

@@ -58,12 +58,13 @@ def read_manifest(root: str | Path) -> StoreManifest:
 def read_index(root: str | Path) -> pa.Table:
     """All committed index rows: live compact files, then parts no compact file replaces
     (store/compact.py); temporary files are not committed and are skipped."""
-    from eagle_ray.store.compact import live_index_files
+    from eagle_ray.store.compact import read_live
 
-    files = live_index_files(root) if (Path(root) / INDEX_DIR).exists() else []
-    if not files:
+    d = Path(root) / INDEX_DIR
+    tables = read_live(d, read_index_part) if d.exists() else []
+    if not tables:
         return INDEX_SCHEMA.empty_table()
-    return pa.concat_tables([read_index_part(p) for p in files])
+    return pa.concat_tables(tables)
 
 
 def committed_ids(root: str | Path) -> pa.Array:

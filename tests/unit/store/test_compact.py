@@ -173,3 +173,61 @@ def test_writer_compaction_is_tiered_keeps_commit_order_and_few_files(tmp_path, 
     # everything-merges would rewrite ~400 * 400 / (2 * 8 * 2) = 5,000 rows; tiers ~400 * 4
     assert compact_rows < 2500, compact_rows
     assert verify_store(tmp_path)["ok"]
+
+
+def test_a_read_during_another_process_compaction_sees_every_sample_once(tmp_path, monkeypatch):
+    """Both ways a compaction that switches while a reader reads can fool a plain listing:
+    a listed part unlinked before it is read (the live-scaling test's crash), and a switch
+    between the listing's glob of compact files and its glob of parts (the compact file
+    unseen, the parts gone: rows silently missing). `read_index` reads again after either."""
+    import eagle_ray.store.compact as C
+
+    want = _store(tmp_path)
+    real_read, real_glob = C.read_index_part, Path.glob
+    state = {"compacted": False}
+
+    def compact_once(everything):
+        if not state["compacted"]:
+            state["compacted"] = True
+            # as a writer in another process would
+            assert compact(tmp_path, everything=everything)["merged"] >= 2
+
+    # 1. the part this reader is about to read goes away under it
+    def read_then_lose(p):
+        if p.name.startswith("part-"):
+            compact_once(everything=True)
+        return real_read(p)
+
+    monkeypatch.setattr(C, "read_index_part", read_then_lose)
+    monkeypatch.setattr("eagle_ray.store.reader.read_index_part", read_then_lose)
+    ids = _ids(tmp_path)
+    assert state["compacted"] and sorted(ids) == sorted(want) and len(ids) == len(want)
+
+    # 2. the switch lands between the listing's two globs (parts merged, the compact file
+    # listed before stays live: nothing the listing holds goes missing, so nothing fails)
+    w = StoreWriter(tmp_path, manifest(), compact_every=0)
+    for seed in (60, 61):
+        w.write_shard(samples(2, seed=seed))
+    want |= {"s60-0", "s60-1", "s61-0", "s61-1"}
+    state["compacted"] = False
+
+    def glob(self, pattern):
+        if pattern == "part-*.parquet":
+            compact_once(everything=False)
+        return real_glob(self, pattern)
+
+    monkeypatch.setattr(C, "read_index_part", real_read)
+    monkeypatch.setattr("eagle_ray.store.reader.read_index_part", real_read)
+    monkeypatch.setattr(Path, "glob", glob)
+    ids = _ids(tmp_path)
+    assert state["compacted"] and sorted(ids) == sorted(want) and len(ids) == len(want)
+
+
+def test_a_missing_part_with_no_compaction_is_still_damage(tmp_path):
+    from eagle_ray.store.format import StoreDamagedError
+
+    _store(tmp_path)
+    part = sorted((tmp_path / "index").glob("part-*.parquet"))[2]
+    part.write_bytes(b"not parquet")
+    with pytest.raises(StoreDamagedError, match="unreadable"):
+        read_index(tmp_path)
