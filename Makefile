@@ -10,9 +10,12 @@ demo: setup
 	.venv/bin/python -m eagle_ray.job.demo --out out/demo
 
 # CI passes PYTEST_ARGS="-v --durations=30": each test named as it ends, the slowest listed.
+# One test at a time: each integration test already keeps both cores busy (vLLM, Ray
+# workers); two files side by side thrashed (the same suite took 64 min with -n 2, 42 serial),
+# and one session shares its built pipelines across files.
 PYTEST_ARGS ?= -q
 test: setup
-	.venv/bin/python -m pytest $(PYTEST_ARGS) -n 2 --dist loadfile tests
+	.venv/bin/python -m pytest $(PYTEST_ARGS) tests
 
 bench: setup
 	.venv/bin/python bench/bench_ingest_stats.py

@@ -179,26 +179,54 @@ def online_run(engine_kwargs: dict, prompts: list[list[int]], max_tokens: int,
         gc.collect()
 
 
-def online_run_isolated(engine_kwargs: dict, prompts: list[list[int]], max_tokens: int,
-                        speculative_config: dict | None, sampled: dict | None = None,
-                        sources: list[str] | None = None) -> dict[str, Any]:
-    """`online_run` in a child process. Engines must not share a process here: vLLM's n-gram
-    proposer imports numba/llvmlite, after which vLLM 0.32's CPU kernel-override scan fails
-    for every later engine in that process ('_lib_fn_wrapper' object has no attribute 'get')."""
+def online_runs_isolated(engine_kwargs: dict, prompts: list[list[int]], max_tokens: int,
+                         specs: dict[str, dict | None], sampled: dict | None = None,
+                         sources: list[str] | None = None,
+                         on_start=None) -> dict[str, dict[str, Any]]:
+    """`online_run` of each named speculative config, one engine after another in ONE child
+    process: {name: result}. A child, not this process: the caller may be a Ray driver or a
+    test holding other engines, and a crash of vLLM must not take it down. One child for all
+    of them: each child pays ~5 s of Python and vLLM imports before its engine starts
+    (evaluate runs 4-6 engines). The n-gram proposer imports numba, which breaks vLLM 0.32's
+    CPU kernel-override scan for any later engine in the process unless our plugin's
+    tolerant scan is installed (eagle_ray/vllm/plugin.py); n-gram configs run last anyway.
+    `on_start(i, name)` is called as the child starts the i-th engine (progress)."""
     import os
     import subprocess
     import sys
     import tempfile
 
+    order = sorted(specs, key=lambda n: (specs[n] or {}).get("method") == "ngram")
     with tempfile.TemporaryDirectory(prefix="eagle_ray_online_") as d:
         req, res = Path(d) / "request.json", Path(d) / "result.json"
         req.write_text(json.dumps({"engine_kwargs": engine_kwargs, "prompts": prompts,
-                                   "max_tokens": max_tokens, "speculative_config": speculative_config,
+                                   "max_tokens": max_tokens,
+                                   "specs": [[n, specs[n]] for n in order],
                                    "sampled": sampled, "sources": sources}))
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        subprocess.run([sys.executable, "-m", "eagle_ray.evaluate.acceptance", str(req), str(res)],
-                       check=True, env=env, timeout=3600)
-        return json.loads(res.read_text())
+        proc = subprocess.Popen([sys.executable, "-m", "eagle_ray.evaluate.acceptance", str(req),
+                                 str(res)], env=env, stdout=subprocess.PIPE, text=True)
+        for line in proc.stdout:  # the child names each engine as it starts it
+            if not line.startswith(_STARTING):
+                sys.stdout.write(line)  # anything else the child prints, as before
+            elif on_start is not None:
+                i, name = line[len(_STARTING):].rstrip("\n").split(" ", 1)
+                on_start(int(i), name)
+        if proc.wait(timeout=3600) != 0:
+            raise subprocess.CalledProcessError(proc.returncode, proc.args)
+        out = json.loads(res.read_text())
+    return {n: out[n] for n in specs}
+
+
+def online_run_isolated(engine_kwargs: dict, prompts: list[list[int]], max_tokens: int,
+                        speculative_config: dict | None, sampled: dict | None = None,
+                        sources: list[str] | None = None) -> dict[str, Any]:
+    """`online_run` of one speculative config in a child process (`online_runs_isolated`)."""
+    return online_runs_isolated(engine_kwargs, prompts, max_tokens, {"run": speculative_config},
+                                sampled, sources)["run"]
+
+
+_STARTING = "eagle_ray-online-run "
 
 
 def prompts_from_ingest(prompts_dir: str | Path, tokenizer, limit: int,
@@ -227,10 +255,13 @@ def prompts_from_ingest(prompts_dir: str | Path, tokenizer, limit: int,
     return (out, labels) if with_sources else out
 
 
-if __name__ == "__main__":  # child process of online_run_isolated
+if __name__ == "__main__":  # child process of online_runs_isolated
     import sys
 
     a = json.loads(Path(sys.argv[1]).read_text())
-    out = online_run(a["engine_kwargs"], a["prompts"], a["max_tokens"], a["speculative_config"],
-                     a.get("sampled"), a.get("sources"))
-    Path(sys.argv[2]).write_text(json.dumps(out))
+    results = {}
+    for i, (name, spec) in enumerate(a["specs"]):
+        print(f"{_STARTING}{i} {name}", flush=True)
+        results[name] = online_run(a["engine_kwargs"], a["prompts"], a["max_tokens"], spec,
+                                   a.get("sampled"), a.get("sources"))
+    Path(sys.argv[2]).write_text(json.dumps(results))

@@ -206,22 +206,21 @@ def _online_largest(recipe, model_dir, out, f, prompts, n, info, profile, k) -> 
     """The largest fraction's drafter online in vLLM at the serving profile (one seed)."""
     from transformers import AutoTokenizer
 
-    from eagle_ray.evaluate.acceptance import online_run_isolated, prompts_from_ingest
+    from eagle_ray.evaluate.acceptance import online_runs_isolated, prompts_from_ingest
     from eagle_ray.export.drafter import export_drafter
     from eagle_ray.vllm.engine import engine_kwargs
 
     drafter = export_drafter(out / f"frac-{f:g}", out / f"frac-{f:g}" / "drafter")
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     held = prompts_from_ingest(prompts, tok, n, exclude_ids=set(info["train_ids"]))
-    res = {}
-    for method in ("greedy", "probabilistic"):
-        logger.info("curve: largest fraction online as served, %s drafting (%d prompts)", method, len(held))
-        spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k,
-                "draft_sample_method": method}
-        r = online_run_isolated(engine_kwargs(recipe, str(model_dir)), held, recipe.generate.max_tokens,
-                                spec, {"sampling": profile, "seeds": [0]})
-        res[method] = r["sampled"][0]["mean_acceptance_length"]
-    return res
+    specs = {method: {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k,
+                      "draft_sample_method": method} for method in ("greedy", "probabilistic")}
+    runs = online_runs_isolated(
+        engine_kwargs(recipe, str(model_dir)), held, recipe.generate.max_tokens, specs,
+        {"sampling": profile, "seeds": [0]},
+        on_start=lambda i, method: logger.info("curve: largest fraction online as served, %s "
+                                               "drafting (%d prompts)", method, len(held)))
+    return {m: r["sampled"][0]["mean_acceptance_length"] for m, r in runs.items()}
 
 
 def _extrapolate(recipe: Recipe, points: list[dict], fit: dict, k: int, run: Path, out: Path) -> list[dict]:

@@ -38,7 +38,7 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
     from transformers import AutoTokenizer
 
     from eagle_ray.vllm.engine import engine_kwargs
-    from eagle_ray.evaluate.acceptance import (offline_acceptance, online_run_isolated,
+    from eagle_ray.evaluate.acceptance import (offline_acceptance, online_runs_isolated,
                                                prompts_from_ingest)
     from eagle_ray.export.drafter import export_drafter, read_drafter_config
 
@@ -92,17 +92,18 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
     sampled = {"sampling": profile, "seeds": list(range(seeds))} if served else None
     if sampled:
         specs["online_probabilistic"] = {**specs["online"], "draft_sample_method": "probabilistic"}
-    runs: dict[str, Any] = {}
     import time
 
     from eagle_ray.common.progress import hms
 
     t_runs = time.monotonic()
-    for i, (name, spec) in enumerate(specs.items()):
+
+    def starting(i: int, name: str) -> None:
         eta = (f", ETA {hms((time.monotonic() - t_runs) / i * (len(specs) - i))}" if i else "")
         logger.info("evaluate: online run %d of %d, %s (%d prompts, greedy%s)%s", i + 1, len(specs),
                     name, len(held_out), f" + {seeds} seed(s) as served" if sampled else "", eta)
-        runs[name] = online_run_isolated(ekw, held_out, max_tokens, spec, sampled, sources)
+
+    runs = online_runs_isolated(ekw, held_out, max_tokens, specs, sampled, sources, starting)
     base = runs["baseline"]["outputs"]
     greedy_names = [n for n in runs if n not in ("baseline", "online_probabilistic")]
     identical = {name: runs[name]["outputs"] == base for name in greedy_names}

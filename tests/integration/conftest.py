@@ -45,6 +45,26 @@ def make_logged_store():
 
 
 @pytest.fixture(scope="session")
+def tiny_trained(tmp_path_factory, ray_cluster, tiny_target_dir):
+    """400 logged conversations of the tiny target -> store -> a 150-step training run ->
+    its export, built once per session: (directory holding in.jsonl, prompts/, conv/, store/,
+    run/ and drafter/, recipe). test_train.py checks what the run learned; test_export_evaluate.py
+    exports, checks, serves and evaluates it. Readers only: a test that writes works in its
+    own tmp_path."""
+    from eagle_ray.export.drafter import export_drafter
+    from eagle_ray.recipes import load_recipe
+    from eagle_ray.train.run import run_train
+    from sample_data import TINY_TRAINED
+
+    d = tmp_path_factory.mktemp("tiny_trained")
+    r = load_recipe("tiny_cpu", TINY_TRAINED + ["train.max_steps=150", "train.eval_interval=150"])
+    logged_store(d, 400, 33, r)
+    run_train(r, d / "store", d / "run")
+    export_drafter(d / "run", d / "drafter")
+    return d, r
+
+
+@pytest.fixture(scope="session")
 def finished_run(tmp_path_factory, ray_cluster):
     """The whole pipeline once per session on the Kimi-K2.5 twin (`tiny_kimi_cpu`: the
     production Kimi recipe with tiny numbers and CPU engine arguments), on the sample data:

@@ -1,5 +1,6 @@
 """The bundled sample data, fewer of each (CI time): the same two labelled sources. The tiny
-target's drafters saturate at an eighth of the full set (`eagle-ray curve` on the demo)."""
+target's drafters saturate at an eighth of the full set (`eagle-ray curve` on the demo).
+And the settings of the trained tiny run several test files share (conftest.tiny_trained)."""
 
 from eagle_ray.job.pipeline import SAMPLE_DATA
 
@@ -7,3 +8,8 @@ from eagle_ray.job.pipeline import SAMPLE_DATA
 def small_sample_data(personal: int = 200, general: int = 150) -> list[str]:
     mine, theirs = SAMPLE_DATA[0], SAMPLE_DATA[1].split(":")[0]
     return [f"{mine}:{personal}", f"{theirs}:{general}::general"]
+
+
+# conftest.tiny_trained: logged responses (no generation), HF extraction, 256-token windows.
+TINY_TRAINED = ["generate.mode=keep_logged", "extract.backend=hf", "extract.num_cpus_per_replica=1",
+                "data.max_seq_len=256", "train.cpus_per_worker=1", "train.log_interval=10"]

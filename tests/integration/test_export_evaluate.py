@@ -8,42 +8,36 @@ import shutil
 import pytest
 
 from eagle_ray.recipes import load_recipe
+from sample_data import TINY_TRAINED
 
 pytestmark = pytest.mark.integration
 
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
-BASE = ["generate.mode=keep_logged", "extract.backend=hf", "extract.num_cpus_per_replica=1",
-        "data.max_seq_len=256", "train.cpus_per_worker=1", "train.log_interval=50"]
+BASE = TINY_TRAINED
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, ray_cluster, tiny_target_dir, make_logged_store):
-    from eagle_ray.export.drafter import export_drafter
-    from eagle_ray.train.run import run_train
-
-    d = tmp_path_factory.mktemp("export")
-    r = load_recipe("tiny_cpu", BASE + ["train.max_steps=150", "train.eval_interval=150"])
-    make_logged_store(d, 360, 55, r)
-    run_train(r, d / "store", d / "run")
-    export_drafter(d / "run", d / "drafter")
-    return d, r
+def trained(tiny_trained):
+    """The session's tiny run (conftest.tiny_trained: 400 logged conversations, 150 steps,
+    exported to d / "drafter")."""
+    return tiny_trained
 
 
-def test_evaluate_trained_beats_untrained_and_ngram(trained):
+def test_evaluate_trained_beats_untrained_and_ngram(trained, tmp_path):
     from eagle_ray.evaluate.run import run_evaluate
 
     d, r = trained
-    rep = run_evaluate(r, d / "drafter", d / "prompts", d / "eval", k=3, limit=24)
+    rep = run_evaluate(r, d / "drafter", d / "prompts", tmp_path / "eval", k=3, limit=24)
     al = {k: rep[k]["mean_acceptance_length"] for k in ("offline", "online", "untrained", "ngram")}
     print("mean acceptance length:", {k: round(v, 3) for k, v in al.items()})
     assert rep["outputs_identical"]
     assert al["online"] > al["untrained"] + 1.0 and al["online"] > al["ngram"] + 0.5
     assert abs(al["offline"] - al["online"]) < 0.5  # the stated tolerance
     assert len(rep["online"]["per_position_acceptance"]) == 3
-    saved = json.loads((d / "eval" / "report.json").read_text())
+    saved = json.loads((tmp_path / "eval" / "report.json").read_text())
     for key in ("offline", "online", "untrained", "ngram"):
         assert "mean_acceptance_length" in saved[key]
-    assert (d / "eval" / "report.md").exists() and (d / "eval" / "acceptance.png").stat().st_size > 1000
+    assert (tmp_path / "eval" / "report.md").exists() and (tmp_path / "eval" / "acceptance.png").stat().st_size > 1000
     # As served (the recipe's 1.0 / 0.95, 2 seeds): the sampler leaves the distribution alone,
     # offline expectation and online agree, figures per source, the speedup is the headline.
     s = rep["as_served"]
@@ -55,15 +49,15 @@ def test_evaluate_trained_beats_untrained_and_ngram(trained):
     assert set(rep["online"]["per_source"]) == {"in"} == set(rep["offline"]["per_source"])
     assert len(s["runs"]["online"]["per_seed"]) == 2
     assert rep["headline"]["setting"] == "as served" and rep["headline"]["speedup"] > 0
-    md = (d / "eval" / "report.md").read_text()
+    md = (tmp_path / "eval" / "report.md").read_text()
     assert md.startswith("# Drafter evaluation\n\n**Expected speedup as served:") and "PASSED" in md
     assert "## Per source" in md
 
     # export --evaluation: serving.json recommends what was measured best.
     from eagle_ray.export.drafter import export_drafter
 
-    export_drafter(d / "run", d / "drafter_measured", evaluation=d / "eval" / "report.json")
-    serving = json.loads((d / "drafter_measured" / "serving.json").read_text())
+    export_drafter(d / "run", tmp_path / "drafter_measured", evaluation=tmp_path / "eval" / "report.json")
+    serving = json.loads((tmp_path / "drafter_measured" / "serving.json").read_text())
     assert serving["speculative_config"]["draft_sample_method"] == s["recommended_draft_sample_method"]
     assert serving["measured"]["draft_sample_method"] == s["draft_sample_method"]
 

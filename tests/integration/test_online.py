@@ -41,7 +41,7 @@ def _weights(run: Path) -> dict:
 
 
 def test_online_equals_offline_and_writes_no_features(offline):
-    from eagle_ray.evaluate.acceptance import online_run_isolated, prompts_from_ingest
+    from eagle_ray.evaluate.acceptance import online_runs_isolated, prompts_from_ingest
     from eagle_ray.vllm.engine import engine_kwargs
     from eagle_ray.export.drafter import export_drafter
     from eagle_ray.extract.vllm_capture import transfer_dir
@@ -90,11 +90,10 @@ def test_online_equals_offline_and_writes_no_features(offline):
                                   exclude_ids=set(json.loads(
                                       (tmp_path / "off" / "run.json").read_text())["train_ids"]))
     ekw = engine_kwargs(r, model)
-    al = {}
-    for name, d in (("offline", d_off), ("online", d_on)):
-        res = online_run_isolated(ekw, prompts, 48, {"method": "eagle3", "model": str(d),
-                                                     "num_speculative_tokens": 3})
-        al[name] = res["mean_acceptance_length"]
+    runs = online_runs_isolated(ekw, prompts, 48, {
+        name: {"method": "eagle3", "model": str(d), "num_speculative_tokens": 3}
+        for name, d in (("offline", d_off), ("online", d_on))})
+    al = {name: res["mean_acceptance_length"] for name, res in runs.items()}
     print("online training: val acc0", on["val/acc_step0"], "offline", off["val/acc_step0"],
           "; vLLM mean acceptance length", al, "; tokens/s online", on["train/tokens_per_s"],
           "offline", off["train/tokens_per_s"])

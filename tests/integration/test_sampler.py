@@ -43,7 +43,7 @@ def _top1_probability(model_dir, prompts, outputs, temperature, top_p) -> float:
 
 
 def test_target_drafting_for_itself_is_accepted_as_predicted(prompts, tiny_target_dir):
-    from eagle_ray.evaluate.acceptance import online_run_isolated
+    from eagle_ray.evaluate.acceptance import online_runs_isolated
     from eagle_ray.targets.serving import serving_profile
     from eagle_ray.vllm.engine import engine_kwargs
 
@@ -53,10 +53,9 @@ def test_target_drafting_for_itself_is_accepted_as_predicted(prompts, tiny_targe
     ekw = engine_kwargs(recipe, str(tiny_target_dir))
     spec = {"method": "draft_model", "model": str(tiny_target_dir), "num_speculative_tokens": K}
     sampled = {"sampling": profile, "seeds": [0]}
-    prob = online_run_isolated(ekw, prompts, 96, {**spec, "draft_sample_method": "probabilistic"},
-                               sampled)["sampled"][0]
-    greedy = online_run_isolated(ekw, prompts, 96, {**spec, "draft_sample_method": "greedy"},
-                                 sampled)
+    runs = online_runs_isolated(ekw, prompts, 96, {
+        m: {**spec, "draft_sample_method": m} for m in ("probabilistic", "greedy")}, sampled)
+    prob, greedy = runs["probabilistic"]["sampled"][0], runs["greedy"]
     assert greedy["mean_acceptance_length"] == pytest.approx(K + 1)  # greedy requests: all accepted
     g = greedy["sampled"][0]
     a = _top1_probability(tiny_target_dir, prompts, prob["outputs"], 1.0, 0.95)

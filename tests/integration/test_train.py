@@ -16,11 +16,9 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory, ray_cluster, tiny_target_dir, make_logged_store):
+def store(tiny_trained):
     """~400 conversations, extracted from the tiny target (logged responses, HF backend)."""
-    r = load_recipe("tiny_cpu", ["generate.mode=keep_logged", "extract.backend=hf",
-                                 "extract.num_cpus_per_replica=1", "data.max_seq_len=256"])
-    return make_logged_store(tmp_path_factory.mktemp("train"), 400, 33, r)
+    return tiny_trained[0] / "store"
 
 
 def recipe(*extra):
@@ -47,12 +45,14 @@ def frequency_baseline(store_dir, run_dir):
     return hits / total
 
 
-def test_training_learns_far_above_untrained_and_frequency(store, tmp_path):
-    from eagle_ray.train.run import run_train
-
-    run = tmp_path / "run"
-    last = run_train(recipe("train.max_steps=150", "train.eval_interval=150"), store, run)
+def test_training_learns_far_above_untrained_and_frequency(tiny_trained):
+    """The session's 150-step run (conftest.tiny_trained), which test_export_evaluate.py also
+    serves and evaluates."""
+    d, _ = tiny_trained
+    store, run = d / "store", d / "run"
     metrics = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    last = [m for m in metrics if "val/acc_step0" in m][-1]
+    assert last["step"] == 150
     untrained = metrics[0]["val/acc_step0"]
     trained = last["val/acc_step0"]
     baseline = frequency_baseline(store, run)
