@@ -312,6 +312,13 @@ def _fit(recipe: Recipe, run: Path, info: dict, data: dict) -> dict[str, Any]:
         raise ValueError(f"recipe {recipe.name} trains on {t.num_workers} GPU workers but the Ray "
                          f"cluster has {ray.cluster_resources().get('GPU', 0):g} GPUs; use "
                          "--set train.use_gpu=false (CPU, gloo) or add GPUs")
+    cpus = ray.cluster_resources().get("CPU", 0)
+    if t.num_workers * t.cpus_per_worker > cpus:
+        # Ray Train would wait for the workers' CPUs, retrying its start every minute, silently.
+        raise ValueError(f"recipe {recipe.name} trains on {t.num_workers} worker(s) x "
+                         f"{t.cpus_per_worker:g} CPU = {t.num_workers * t.cpus_per_worker:g} CPUs "
+                         f"but the Ray cluster has {cpus:g}; lower train.num_workers or "
+                         "train.cpus_per_worker, or add CPUs")
     cfg = {"run_dir": str(run), **data, "target_dir": info["target_dir"],
            "arch": info["arch"], "d2t": info["d2t"], "train_ids": info["train_ids"],
            "val_ids": info["val_ids"], "resume_from": str(resume) if resume else None,

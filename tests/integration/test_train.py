@@ -101,3 +101,14 @@ def test_killed_run_resumes_to_the_same_weights(store, tmp_path, ray_cluster, ki
     a, b = _weights(tmp_path / "straight"), _weights(run)
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5, msg=k)
+
+
+def test_more_worker_cpus_than_the_cluster_has_is_refused_not_waited_for(store, tmp_path):
+    """Ray Train would wait for the CPUs, retrying its start every minute and printing nothing
+    a person can act on; the run is refused before it starts, naming both numbers."""
+    from eagle_ray.train.run import run_train
+
+    r = load_recipe("tiny_cpu", ["train.num_workers=2", "train.cpus_per_worker=3"])
+    with pytest.raises(ValueError, match=r"2 worker\(s\) x 3 CPU = 6 CPUs but the Ray cluster has 4"):
+        run_train(r, store, tmp_path / "run")
+    assert not (tmp_path / "run" / "checkpoints").exists()
