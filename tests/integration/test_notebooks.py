@@ -15,8 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 # Notebook 03 (results) reads the session's finished run: its test lives in
-# test_kimi_pipeline.py, the file that builds that run (CI runs files side by side, one
-# worker each, so a run shared by two files would be built twice).
+# test_kimi_pipeline.py, beside the other tests of that run.
 
 REPO = Path(__file__).resolve().parents[2]
 NB_DIR = REPO / "notebooks"
@@ -152,8 +151,8 @@ def test_01_data_and_plan(tmp_path, kernel_name, tiny_target_dir):
 def test_02_operate_a_running_job(tmp_path, kernel_name, tiny_target_dir):
     out = tmp_path / "out"
     try:
-        # 6,000 conversations: extraction must outlast both scaling steps even when the
-        # machine is shared (CI runs two test files at once; 2,400 finished first once).
+        # 6,000 conversations: extraction must outlast both scaling steps (2,400 finished
+        # first once, on a machine shared with another test file).
         nb, text, seconds = run_notebook("02_operate.py", tmp_path, kernel_name,
                                          EAGLE_RAY_NB_OUT=str(out), EAGLE_RAY_NB_CONVERSATIONS="6000")
     finally:
