@@ -206,13 +206,18 @@ def online_runs_isolated(engine_kwargs: dict, prompts: list[list[int]], max_toke
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         proc = subprocess.Popen([sys.executable, "-m", "eagle_ray.evaluate.acceptance", str(req),
                                  str(res)], env=env, stdout=subprocess.PIPE, text=True)
-        for line in proc.stdout:  # the child names each engine as it starts it
-            if not line.startswith(_STARTING):
-                sys.stdout.write(line)  # anything else the child prints, as before
-            elif on_start is not None:
-                i, name = line[len(_STARTING):].rstrip("\n").split(" ", 1)
-                on_start(int(i), name)
-        if proc.wait(timeout=3600) != 0:
+        try:
+            for line in proc.stdout:  # the child names each engine as it starts it
+                if not line.startswith(_STARTING):
+                    sys.stdout.write(line)  # anything else the child prints, as before
+                elif on_start is not None:
+                    i, name = line[len(_STARTING):].rstrip("\n").split(" ", 1)
+                    on_start(int(i), name)
+        except BaseException:  # a stop of this process (signal, Ctrl-C) ends the child too
+            proc.kill()
+            proc.wait()
+            raise
+        if proc.wait() != 0:
             raise subprocess.CalledProcessError(proc.returncode, proc.args)
         out = json.loads(res.read_text())
     return {n: out[n] for n in specs}

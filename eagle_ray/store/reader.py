@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eagle_ray.store.compact import read_index_part
+from eagle_ray.store.compact import read_index_part, read_live
 from eagle_ray.store.format import (DROPPED_FILE, INDEX_DIR, INDEX_SCHEMA, MANIFEST_FILE,
                                     SCHEMA_VERSION, SHARDS_DIR, StoreDamagedError, StoreError,
                                     StoreManifest, repair_hint, sample_checksum, stored_tensors,
@@ -58,8 +58,6 @@ def read_manifest(root: str | Path) -> StoreManifest:
 def read_index(root: str | Path) -> pa.Table:
     """All committed index rows: live compact files, then parts no compact file replaces
     (store/compact.py); temporary files are not committed and are skipped."""
-    from eagle_ray.store.compact import read_live
-
     d = Path(root) / INDEX_DIR
     tables = read_live(d, read_index_part) if d.exists() else []
     if not tables:
