@@ -16,24 +16,24 @@ import re
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 
 
-def _user_types() -> tuple[type, ...]:
-    from eagle_ray.plan.budget import BudgetError
-    from eagle_ray.store.reader import StoreError
-    from eagle_ray.generate.stage import EngineDied
-    from eagle_ray.train.checkpoint import CheckpointError
-
-    return (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-            PermissionError, ConnectionError, BudgetError, StoreError, CheckpointError,
-            EngineDied)
+class UserFault(Exception):
+    """Base of every error that is the user's to fix (a bad store, checkpoint, budget, a dead
+    engine's cause): printed as one line by `run_for_a_person`. A stage defines its own
+    errors by deriving from this (together with the builtin they are, e.g.
+    `class StoreError(UserFault, RuntimeError)`), so this module knows no stage."""
 
 
-def _is_user_fault(e: BaseException, types: tuple[type, ...]) -> bool:
-    return isinstance(e, types) or (isinstance(e, OSError) and e.errno in DISK_ERRNOS)
+# What a person fixes: our own UserFaults and builtin errors of input, paths and connections.
+USER_TYPES = (UserFault, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+              PermissionError, ConnectionError)
+
+
+def _is_user_fault(e: BaseException) -> bool:
+    return isinstance(e, USER_TYPES) or (isinstance(e, OSError) and e.errno in DISK_ERRNOS)
 
 
 def user_fault(e: BaseException) -> BaseException | None:
     """The user-facing fault in `e` or in what it wraps (breadth first), else None."""
-    types = _user_types()
     queue, seen = [e], set()
     while queue:
         x = queue.pop(0)
@@ -44,7 +44,7 @@ def user_fault(e: BaseException) -> BaseException | None:
         if isinstance(cause, BaseException):
             queue.insert(0, cause)
             continue
-        if _is_user_fault(x, types):
+        if _is_user_fault(x):
             return x
         queue.extend([x.__cause__, x.__context__, getattr(x, "controller_failure", None)])
         failures = getattr(x, "worker_failures", None)  # Ray Train: rank -> exception
@@ -53,7 +53,7 @@ def user_fault(e: BaseException) -> BaseException | None:
     return _fault_in_text(e)
 
 
-class ForwardedFault(RuntimeError):
+class ForwardedFault(UserFault, RuntimeError):
     """A user-facing fault known only from a remote traceback's text."""
 
 
@@ -67,18 +67,17 @@ def _fault_in_text(e: BaseException) -> BaseException | None:
     exception line there."""
     import importlib
 
-    types = _user_types()
     texts, x, seen = [], e, set()
     while x is not None and id(x) not in seen:
         seen.add(id(x))
         texts += [getattr(x, "traceback_str", "") or "", str(x)]
         x = getattr(x, "cause", None) or x.__cause__ or x.__context__
     for m in _EXC_LINE.finditer("\n".join(texts)):
-        try:
+        try:  # by the name in the text: this module imports no stage by itself
             cls = getattr(importlib.import_module(m.group("path")), m.group("cls"))
         except (ImportError, AttributeError):
             continue
-        if isinstance(cls, type) and issubclass(cls, types):
+        if isinstance(cls, type) and issubclass(cls, USER_TYPES):
             return ForwardedFault(m.group("msg"))
     return None
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from eagle_ray.common.errors import UserFault
+
 logger = logging.getLogger(__name__)
 
 INPUT_COLUMNS = ("sample_id", "source", "messages", "reference")
@@ -212,7 +214,7 @@ class _Regenerate(_Base):
         return self._table(out)
 
 
-class EngineDied(RuntimeError):
+class EngineDied(UserFault, RuntimeError):
     """A generation replica's vLLM engine died; the message names vLLM's own exception."""
 
 

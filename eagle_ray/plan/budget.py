@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from eagle_ray.common.errors import UserFault
 from eagle_ray.config import Recipe, TargetConfig
 
 BYTES_PER_ELEMENT = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1}
@@ -28,7 +29,7 @@ TOKEN_META_BYTES = 4 + 1  # input_ids int32 + loss_mask uint8
 PAPER_SAMPLES = 532_000
 
 
-class BudgetError(RuntimeError):
+class BudgetError(UserFault, RuntimeError):
     """The planned store does not fit in the free space at its output path."""
 
 

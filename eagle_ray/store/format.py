@@ -27,6 +27,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from eagle_ray.common.errors import UserFault
+
 SCHEMA_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 DROPPED_FILE = "dropped.json"  # byte ranges of shards `store repair` dropped (not lost parts)
@@ -115,7 +117,7 @@ def sample_checksum(parts: list[bytes]) -> str:
     return h.hexdigest()
 
 
-class StoreError(RuntimeError):
+class StoreError(UserFault, RuntimeError):
     """A store is unreadable or a sample fails its checksum."""
 
 

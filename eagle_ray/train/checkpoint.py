@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from eagle_ray.common.errors import UserFault
 from eagle_ray.common.provenance import atomic_write_json, fsync_dir
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ STATE_FILE = "state.json"
 _STEP = re.compile(r"^step-\d+$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserFault, RuntimeError):
     """A checkpoint that is truncated, corrupted or missing files."""
 
 

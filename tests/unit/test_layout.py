@@ -103,3 +103,21 @@ def test_every_folder_says_what_lives_there():
             continue
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and len(doc.splitlines()) == 1, f"{init}: needs a one-line docstring"
+
+
+def test_common_helpers_import_no_stage_or_role_folder():
+    """common/ is the bottom layer: a stage's error derives from common.errors.UserFault
+    instead of common/ importing every stage to know its errors."""
+    leaks = {mod: sorted(d for d in deps if not d.startswith("eagle_ray.common"))
+             for mod, deps in import_graph().items() if mod.startswith("eagle_ray.common")}
+    assert {m: d for m, d in leaks.items() if d} == {}
+
+
+def test_the_layering_check_sees_a_lazy_import_from_common(tmp_path, monkeypatch):
+    """The graph counts imports inside functions too (errors.py used to import stage errors
+    lazily)."""
+    src = "def f():\n    from eagle_ray.store.format import StoreError\n"
+    tree_mod = PKG / "common" / "errors.py"
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: src if self == tree_mod else real(self, *a, **k))
+    assert "eagle_ray.store.format" in import_graph()["eagle_ray.common.errors"]
