@@ -35,23 +35,57 @@ def pooled(num_drafts: int, accepted_per_pos: list[int]) -> dict[str, Any]:
 
 
 class _Tally:
-    """Drafts and (expected) accepted counts per position, pooled and per source."""
+    """Drafts and (expected) accepted counts per position, pooled and per source, and the
+    standard error of the pooled mean acceptance length over samples (each sample's drafts
+    and accepted tokens: the delta method for a ratio of sums)."""
 
     def __init__(self, k: int) -> None:
-        self.k, self.drafts, self.acc = k, {}, {}
+        self.k, self.drafts, self.acc, self.samples = k, {}, {}, []
 
-    def add(self, source: str, drafts: int, accepted: list[float]) -> None:
+    def add(self, source: str, drafts: float, accepted: list[float]) -> None:
+        self.samples.append((drafts, sum(accepted)))
         for key in ("all", source):
             self.drafts[key] = self.drafts.get(key, 0) + drafts
             prev = self.acc.setdefault(key, [0.0] * self.k)
             for j, a in enumerate(accepted):
                 prev[j] += a
 
+    def standard_error(self) -> float | None:
+        n = len(self.samples)
+        d = sum(x for x, _ in self.samples)
+        if n < 2 or d <= 0:
+            return None
+        r = sum(a for _, a in self.samples) / d
+        resid = [a - r * x for x, a in self.samples]
+        return (n / (n - 1) * sum(e * e for e in resid)) ** 0.5 / d
+
     def result(self) -> dict[str, Any]:
         out = pooled(self.drafts.get("all", 0), self.acc.get("all", [0.0] * self.k))
         out["per_source"] = {s: pooled(self.drafts[s], self.acc[s]) for s in sorted(self.drafts)
                              if s != "all"}
+        out["standard_error"] = self.standard_error()
+        out["samples_counted"] = len(self.samples)
         return out
+
+
+def _neutral(s: dict) -> dict:
+    """Sampling fields with every 'off' spelling as one value (top_k None/0/-1, ...)."""
+    top_k = int(s.get("top_k") or 0)
+    return {"temperature": float(s.get("temperature") or 0), "top_p": float(s.get("top_p") or 1.0),
+            "top_k": top_k if top_k > 0 else 0, "min_p": float(s.get("min_p") or 0)}
+
+
+def sampled_as(manifest: dict, sampling: dict) -> str | None:
+    """None when the store's completions were sampled at `sampling` (the offline expectation
+    as served is then exact, `eagle_ray.evaluate.served`), else why not."""
+    gen = manifest.get("generation") or {}
+    got = gen.get("sampling")
+    if gen.get("mode") != "regenerate" or not got:
+        return (f"the store holds {gen.get('mode') or 'logged'} completions, not the target's own "
+                "samples at the serving profile")
+    if _neutral(got) != _neutral(sampling):
+        return (f"the store was sampled at {_neutral(got)}, evaluation serves at {_neutral(sampling)}")
+    return None
 
 
 @torch.no_grad()
@@ -60,8 +94,10 @@ def offline_acceptance(run_info: dict, drafter_state: dict | None, k: int,
     """Simulated acceptance on the run's held-out split (drafter_state None = untrained),
     pooled and per source: greedy (the chain of exact argmax matches), and with `sampling`
     (temperature > 0) the acceptance expected at that serving profile for greedy and for
-    probabilistic drafting (`eagle_ray.evaluate.served`)."""
-    from eagle_ray.evaluate.served import served_step_rates
+    probabilistic drafting, walking the drafts as vLLM places them
+    (`eagle_ray.evaluate.served`); `as_served["exact"]` says whether that expectation is
+    exact (the store sampled at `sampling`) and `as_served["inexact_because"]` why not."""
+    from eagle_ray.evaluate.served import served_step_rates, walk_drafts
     from eagle_ray.export.drafter import build_drafter
     from eagle_ray.store.reader import HiddenStateStore
     from eagle_ray.store.batch import collate
@@ -76,6 +112,7 @@ def offline_acceptance(run_info: dict, drafter_state: dict | None, k: int,
     ids = run_info["val_ids"][:max_samples]
     served = sampling is not None and float(sampling.get("temperature") or 0) > 0
     greedy, as_greedy, as_prob = _Tally(k), _Tally(k), _Tally(k)
+    shift = model._shift
     for lo in range(0, len(ids), 16):
         chunk = ids[lo:lo + 16]
         batch = collate(store, chunk)
@@ -85,27 +122,32 @@ def offline_acceptance(run_info: dict, drafter_state: dict | None, k: int,
         for j in range(k):
             run = run & out.correct[j]  # correct implies valid
             hits.append(run.sum(-1))
-        chains = None
-        if served:  # per drafting method: expected accepted drafts per position, per sample [k, B]
-            rates = torch.zeros(2, k, *out.valid[0].shape)  # (greedy, probabilistic) drafting
+        rates = None
+        if served:  # (a, w) per drafting method (greedy, probabilistic), step, column [2, 2, k, B, T]
+            rates = torch.zeros(2, 2, k, *out.valid[0].shape)
             for j in range(k):
                 v = out.valid[j]
-                rows = model._shift(batch["final"], 1 + j)[v]                       # target row t+1+j
-                g, p = served_step_rates(rows, out.logits[j].detach()[v], model.target_lm_head_weight,
-                                         model.draft_ids, sampling)
-                rates[0, j][v], rates[1, j][v] = g, p
-            chains = (rates.cumprod(1) * out.valid[0].float()).sum(-1)             # [2, k, B]
+                r = served_step_rates(shift(batch["final"], 1 + j)[v],           # target row t+1+j
+                                      out.logits[j].detach()[v], model.target_lm_head_weight,
+                                      model.draft_ids, sampling,
+                                      shift(batch["input_ids"], 2 + j)[v])       # its token y
+                for m in range(2):
+                    rates[m, 0, j][v], rates[m, 1, j][v] = r[m], r[2 + m]
         for b, sid in enumerate(chunk):
             src = source_of.get(sid, "?")
             n = int(out.valid[0][b].sum())
             greedy.add(src, n, [float(h[b]) for h in hits])
-            if chains is not None:
-                for tally, c in zip((as_greedy, as_prob), chains):
-                    tally.add(src, n, c[:, b].tolist())
+            if rates is not None and n:
+                keep = out.valid[0][b]
+                start = int(keep.nonzero()[0]) + 1  # the first draft: after the prefill's token
+                for tally, rr in zip((as_greedy, as_prob), rates[:, :, :, b]):
+                    tally.add(src, *walk_drafts(rr, keep, start))
     res = greedy.result() | {"samples": len(ids), "k": k}
     if served:
+        why = sampled_as(run_info.get("store_manifest") or {}, sampling)
         res["as_served"] = {"sampling": dict(sampling), "greedy_drafting": as_greedy.result(),
-                            "probabilistic_drafting": as_prob.result()}
+                            "probabilistic_drafting": as_prob.result(),
+                            "exact": why is None, "inexact_because": why}
     return res
 
 

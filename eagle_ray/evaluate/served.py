@@ -10,14 +10,28 @@ The drafter's probabilities under probabilistic drafting are softmax(draft logit
 temperature) over the draft vocab only: vLLM applies the temperature and nothing else to
 them (`compute_probs_and_sample_next_token`).
 
-Expected acceptance offline (per draft position t, TTT step j, target row t+1+j; a_j = 0
-where step j is not valid):
-    greedy drafting        a_j = p_j(argmax q_j)              (the draft token's chance)
-    probabilistic drafting a_j = sum_v min(p_j(v), q_j(v))    (rejection sampling's rate)
-    mean acceptance length = 1 + mean over drafts of sum_j prod_{i<=j} a_i
-The drafter's inputs are the ground-truth (served) continuation, as in the greedy offline
-figure; online, vLLM feeds its own accepted tokens, so the two agree in expectation over
-positions, not draft by draft.
+Expected acceptance offline, exactly as vLLM drafts (per draft column t, TTT step j, target
+row t+1+j; the drafter's token inputs are the store's continuation y, sampled at the serving
+profile):
+    the drafter's rate     a_j = p_j(argmax q_j)              (greedy drafting: one-hot draft)
+                           a_j = sum_v min(p_j(v), q_j(v))    (probabilistic: rejection rate)
+    given the output y_j   w_j = 1[argmax q_j == y_j]         (greedy drafting)
+                           w_j = min(1, q_j(y_j) / p_j(y_j))  (probabilistic)
+Speculation is lossless, so online outputs are distributed as the store's continuations, and
+given output y_j the chance that step j was an accepted draft (not a rejection's recovered
+token) is min(p, q)(y_j) / p(y_j) = w_j; an accepted step feeds the drafter exactly y_j, the
+token the offline unroll feeds. So along a stored continuation:
+    P(steps 0..j of the draft at t accepted) = prod_{i<j} w_i * a_j       (E over y_j of w_j is a_j)
+and vLLM's drafts start where the previous one ended: a draft at t that accepts n tokens
+(chance prod_{i<n} w_i * (1 - w_n)) is followed by the draft at t + n + 1. `walk_drafts`
+carries that chance forward from the first generated token, so the pooled figure counts the
+positions vLLM drafts from, not every position (drafts start after hard tokens more often).
+Both corrections matter: feeding the continuation as if every draft were accepted
+(prod_j a_j) under-counts greedy drafting (a draft that is accepted is the drafter's likely
+token, and its next step is easier than after a sampled one), and a mean over all positions
+over-counts easy stretches. The result equals the online figure in expectation when the
+store was regenerated at the serving profile; a keep-logged store or one sampled otherwise
+gives no exact expectation (`offline_acceptance` says so and nothing is judged).
 
 Distribution test (`distribution_test`): does a speculative run produce the same output
 distribution as the plain run at the same sampling? Statistic: total-variation distance
@@ -67,24 +81,59 @@ def served_probs(logits: torch.Tensor, sampling: Mapping[str, Any]) -> torch.Ten
 
 @torch.no_grad()
 def served_step_rates(final_rows: torch.Tensor, draft_logits: torch.Tensor, lm_head: torch.Tensor,
-                      draft_ids: torch.Tensor, sampling: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Acceptance chances of one drafting step at n positions: (greedy drafting [n],
-    probabilistic drafting [n]). final_rows [n, H] are the target's final hidden states of
-    the rows being predicted, draft_logits [n, N] the drafter's logits over the draft vocab."""
+                      draft_ids: torch.Tensor, sampling: Mapping[str, Any],
+                      next_ids: torch.Tensor) -> torch.Tensor:
+    """Acceptance chances of one drafting step at n positions (module docstring): [4, n] =
+    (a greedy drafting, a probabilistic, w greedy drafting, w probabilistic). final_rows
+    [n, H] are the target's final hidden states of the rows being predicted, draft_logits
+    [n, N] the drafter's logits over the draft vocab, next_ids [n] the tokens the
+    continuation holds at those rows."""
     n = final_rows.shape[0]
-    greedy = torch.zeros(n)
-    prob = torch.zeros(n)
+    out = torch.zeros(4, n)
     rows = max(1, _ROW_BUDGET // lm_head.shape[0])
     t = float(sampling["temperature"])
+    draft_ids = draft_ids.to(torch.long)
     for lo in range(0, n, rows):
-        f = final_rows[lo:lo + rows].to(lm_head.dtype)
+        sl = slice(lo, lo + rows)
+        f = final_rows[sl].to(lm_head.dtype)
         p = served_probs(f @ lm_head.T, sampling)                          # [c, V]
-        dl = draft_logits[lo:lo + rows].float()
-        d = draft_ids[dl.argmax(-1)]
-        greedy[lo:lo + rows] = p.gather(1, d[:, None])[:, 0]
-        q = (dl / t).softmax(-1)                                           # [c, N]
-        prob[lo:lo + rows] = torch.minimum(p[:, draft_ids], q).sum(-1)
-    return greedy, prob
+        dl = draft_logits[sl].float()
+        d = draft_ids[dl.argmax(-1)]                                       # greedy draft, target ids
+        q = torch.zeros_like(p)
+        q[:, draft_ids] = (dl / t).softmax(-1)                             # draft probs, target vocab
+        y = next_ids[sl].to(torch.long)[:, None]
+        p_y, q_y = p.gather(1, y)[:, 0], q.gather(1, y)[:, 0]
+        out[0, sl] = p.gather(1, d[:, None])[:, 0]
+        out[1, sl] = torch.minimum(p, q).sum(-1)
+        out[2, sl] = (d == y[:, 0]).float()
+        # p(y) = 0 only for a continuation not sampled at this profile: never an accepted draft.
+        out[3, sl] = torch.where(p_y > 0, (q_y / p_y.clamp(min=1e-30)).clamp(max=1.0), 0.0)
+    return out
+
+
+def walk_drafts(rates: torch.Tensor, keep: torch.Tensor, start: int) -> tuple[float, list[float]]:
+    """Expected (drafts, accepted through step j for each j) of vLLM's chain drafting along
+    one stored continuation: rates [2, k, T] = (a, w) per step and draft column (0 where the
+    step is not valid), keep [T] whether a draft may start at that column (its step 0 is
+    valid), `start` the column of the first draft (the last prompt position: the first
+    generated token comes from the prefill). Module docstring."""
+    a, w = rates[0].tolist(), rates[1].tolist()
+    k, T = len(a), len(a[0])
+    keep = keep.tolist()
+    reach = [0.0] * (T + k + 2)  # chance that a draft starts at column t
+    reach[start] = 1.0
+    drafts, accepted = 0.0, [0.0] * k
+    for t in range(start, T):
+        r = reach[t]
+        if r == 0.0 or not keep[t]:
+            continue
+        drafts += r
+        for j in range(k):
+            accepted[j] += r * a[j][t]
+            reach[t + j + 1] += r * (1.0 - w[j][t])  # step j rejected: next draft after its token
+            r *= w[j][t]
+        reach[t + k + 1] += r  # all k accepted: the bonus token, then the next draft
+    return drafts, accepted
 
 
 def distribution_test(plain: Sequence[Sequence[Sequence[int]]], spec: Sequence[Sequence[Sequence[int]]],

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eagle_ray.evaluate.served import (distribution_lines, distribution_test, distribution_tests,
-                                       served_probs, served_step_rates)
+                                       served_probs, served_step_rates, walk_drafts)
 
 
 def test_served_probs_temperature_top_p_top_k_min_p():
@@ -34,16 +34,132 @@ def test_step_rates_greedy_is_p_of_argmax_and_probabilistic_is_overlap():
     draft_ids = torch.tensor([0, 1, 2, 3, 5, 7, 9, 11])
     dl = torch.randn(n, N)
     sampling = {"temperature": 0.7, "top_p": 0.9}
-    g, pr = served_step_rates(final, dl, head, draft_ids, sampling)
     p = served_probs(final @ head.T, sampling)
-    assert torch.allclose(g, p[torch.arange(n), draft_ids[dl.argmax(-1)]])
     q = torch.zeros(n, V)
     q[:, draft_ids] = (dl / 0.7).softmax(-1)
-    assert torch.allclose(pr, torch.minimum(p, q).sum(-1), atol=1e-6)
+    d = draft_ids[dl.argmax(-1)]
+    y = torch.tensor([int(d[0]), 4, int(d[2]), 11, 0])  # continuation tokens: 4 is outside the draft vocab
+    a_g, a_p, w_g, w_p = served_step_rates(final, dl, head, draft_ids, sampling, y)
+    assert torch.allclose(a_g, p[torch.arange(n), d])
+    assert torch.allclose(a_p, torch.minimum(p, q).sum(-1), atol=1e-6)
+    assert w_g.tolist() == [float(int(d[i]) == int(y[i])) for i in range(n)]
+    py, qy = p[torch.arange(n), y], q[torch.arange(n), y]
+    assert torch.allclose(w_p, torch.where(py > 0, (qy / py.clamp(min=1e-30)).clamp(max=1), 0.0), atol=1e-6)
+    assert w_p[1] == 0  # a token the drafter cannot propose was never an accepted draft
     # A drafter equal to the target (full vocab, no top-p) is accepted with probability 1.
     same = {"temperature": 1.0}
-    _, one = served_step_rates(final, final @ head.T, head, torch.arange(V), same)
-    assert torch.allclose(one, torch.ones(n), atol=1e-5)
+    r = served_step_rates(final, final @ head.T, head, torch.arange(V), same, y)
+    assert torch.allclose(r[1], torch.ones(n), atol=1e-5) and torch.allclose(r[3], torch.ones(n), atol=1e-5)
+
+
+# A Markov "target" and "drafter" over 6 tokens (5 = end of turn): the next-token
+# distribution depends on the previous token only, so vLLM's drafting can be simulated
+# exactly and the offline expectation compared with it.
+V, EOS, K = 6, 5, 4
+
+
+def _chains(seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(V, V, generator=g) * 2.5
+    logits[:, EOS] = -1.5  # turns end after ~20 tokens on average
+    P = logits.softmax(-1)
+    Q = (logits + torch.randn(V, V, generator=g) * 1.5).softmax(-1)  # a decent, imperfect drafter
+    return P.tolist(), Q.tolist()
+
+
+def _pick(rng, probs):
+    return rng.choices(range(V), weights=probs)[0]
+
+
+def _online(P, Q, method, n, rng):
+    """vLLM's chain drafting with rejection sampling: pooled 1 + accepted / drafts."""
+    drafts, accepted = 0, 0
+    for _ in range(n):
+        out = [0, _pick(rng, P[0])]  # the prompt token, then the prefill's token
+        while out[-1] != EOS and len(out) < 400:
+            d, qs, prev = [], [], out[-1]
+            for _j in range(K):
+                q = Q[prev]
+                tok = max(range(V), key=q.__getitem__) if method == "greedy" else _pick(rng, q)
+                d.append(tok)
+                qs.append([float(v == tok) for v in range(V)] if method == "greedy" else q)
+                prev = tok
+            drafts += 1
+            prev = out[-1]
+            for j in range(K):
+                p, q = P[prev], qs[j]
+                if rng.random() < min(1.0, p[d[j]] / q[d[j]]):
+                    out.append(d[j])
+                    accepted += 1
+                    prev = d[j]
+                    if d[j] == EOS:
+                        break
+                else:
+                    resid = [max(p[v] - q[v], 0.0) for v in range(V)]
+                    out.append(_pick(rng, resid))
+                    break
+            else:
+                out.append(_pick(rng, P[prev]))  # all accepted: the bonus token
+    return 1 + accepted / drafts
+
+
+def _offline(P, Q, method, n, rng, walk=True):
+    """The store's way: continuations sampled from P, rates along them, then `walk_drafts`
+    (walk=False: the old estimate, every column a draft and every step fed as accepted)."""
+    drafts, accepted = 0.0, 0.0
+    for _ in range(n):
+        y = [0, _pick(rng, P[0])]
+        while y[-1] != EOS and len(y) < 400:
+            y.append(_pick(rng, P[y[-1]]))
+        T = len(y)
+        rates = [[[0.0] * T for _ in range(K)] for _ in range(2)]
+        for t in range(T):
+            for j in range(K):
+                if t + 2 + j >= T:
+                    continue
+                prev, nxt = y[t + 1 + j], y[t + 2 + j]
+                p, q = P[prev], Q[prev]
+                am = max(range(V), key=q.__getitem__)
+                if method == "greedy":
+                    rates[0][j][t], rates[1][j][t] = p[am], float(am == nxt)
+                else:
+                    rates[0][j][t] = sum(min(a, b) for a, b in zip(p, q))
+                    rates[1][j][t] = min(1.0, q[nxt] / p[nxt])
+        rates = torch.tensor(rates)
+        keep = torch.tensor([t + 2 < T for t in range(T)])
+        if walk:
+            dr, acc = walk_drafts(rates, keep, 0)
+        else:
+            dr, acc = float(keep.sum()), rates[0].cumprod(0).sum().item()
+            acc = [acc]
+        drafts += dr
+        accepted += sum(acc)
+    return 1 + accepted / drafts
+
+
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_offline_walk_equals_simulated_vllm_drafting(method):
+    """The offline expectation equals what vLLM's drafting gets, on a model where vLLM's
+    drafting can be simulated exactly; the old estimate (every position a draft, the
+    continuation fed as if accepted) does not."""
+    P, Q = _chains(3)
+    rng = random.Random(1)
+    online = _online(P, Q, method, 3000, rng)
+    walked = _offline(P, Q, method, 3000, rng)
+    old = _offline(P, Q, method, 3000, rng, walk=False)
+    print(method, "online", round(online, 3), "walk", round(walked, 3), "old", round(old, 3))
+    assert abs(walked - online) < 0.03  # measured: 0.003 (greedy), 0.001 (probabilistic)
+    assert abs(old - online) > 0.06    # measured: 0.15, 0.085
+
+
+def test_walk_drafts_places_drafts_where_the_last_one_ended():
+    # k = 2, six columns; every step accepted at column 0 -> next draft at column 3.
+    a = torch.tensor([[0.9] * 6, [0.8] * 6])
+    w = torch.tensor([[1.0, 0, 0, 0, 0, 0], [1.0, 0, 0, 0, 0, 0]])
+    keep = torch.tensor([True, True, True, True, False, False])
+    drafts, acc = walk_drafts(torch.stack([a, w]), keep, 0)
+    # column 0 (both accepted) -> column 3 (step 0 rejected) -> column 4 (cannot start): 2 drafts
+    assert drafts == 2.0 and acc == pytest.approx([0.9 + 0.9, 0.8 * 1.0 + 0.8 * 0.0])
 
 
 def _samples(prompts, seeds, peak, rng):
