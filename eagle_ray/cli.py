@@ -197,27 +197,16 @@ def cmd_export(args) -> int:
 
 
 def cmd_evaluate(args) -> int:
-    from eagle_ray.evaluate.run import run_evaluate
+    from eagle_ray.evaluate.run import problems, run_evaluate, summary_lines
 
     r = run_evaluate(_recipe(args), args.drafter, args.prompts, args.out, k=args.k, limit=args.limit,
                      seeds=args.seeds, baseline_drafter=args.baseline_drafter)
-    print(f"evaluate: mean acceptance length offline {r['offline']['mean_acceptance_length']:.3f}, "
-          f"online {r['online']['mean_acceptance_length']:.3f}, untrained "
-          f"{r['untrained']['mean_acceptance_length']:.3f}, n-gram {r['ngram']['mean_acceptance_length']:.3f}; "
-          f"outputs identical: {r['outputs_identical']} -> {args.out}/report.md")
-    from eagle_ray.evaluate.run import as_served_line
 
-    if as_served_line(r):
-        print(as_served_line(r))
-    served = r.get("as_served") or {}
-    problems = ([] if r["outputs_identical"] else ["greedy outputs with speculation differ from without"]) + (
-        ["speculation changed the output distribution at the serving profile (distribution test)"]
-        if served and not served["distribution_test"]["passed"] else []) + (
-        [f"offline and online acceptance as served disagree by {served['offline_online_gap_max']:.2f}"]
-        if served.get("offline_online_agree") is False else [])
-    for p in problems:
+    print("\n".join(summary_lines(r, args.out)))
+    bad = problems(r)
+    for p in bad:
         print(f"error: {p}; see {args.out}/report.md", file=sys.stderr)
-    return 1 if problems else 0
+    return 1 if bad else 0
 
 
 def cmd_curve(args) -> int:

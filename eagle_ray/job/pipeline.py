@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -206,15 +207,11 @@ def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path, *,
         # serving.json recommends what evaluate measured best at the serving profile.
         drafter = export_drafter(out / "train", drafter, evaluation=out / "evaluate" / "report.json")
     timings["export_check_evaluate"] = time.time() - t0
-    offline_al = f"{ev['offline']['mean_acceptance_length']:.2f}" if ev["offline"] else "n/a (online)"
-    print(f"evaluate: mean acceptance length offline {offline_al}, "
-          f"online {ev['online']['mean_acceptance_length']:.2f}, untrained "
-          f"{ev['untrained']['mean_acceptance_length']:.2f}, n-gram {ev['ngram']['mean_acceptance_length']:.2f}; "
-          f"outputs identical {ev['outputs_identical']} -> {out / 'evaluate' / 'report.md'}")
-    from eagle_ray.evaluate.run import as_served_line
+    from eagle_ray.evaluate.run import problems, summary_lines
 
-    if as_served_line(ev):
-        print(as_served_line(ev))
+    print("\n".join(summary_lines(ev, out / "evaluate")))
+    for p in problems(ev):  # the same judgement `eagle-ray evaluate` exits 1 on
+        print(f"evaluate: problem: {p}; see {out / 'evaluate' / 'report.md'}", file=sys.stderr)
 
     summary = {"status": "finished", "steps_run": ran,
                "recipe": recipe.to_dict(), "target_dir": str(target_dir),

@@ -145,6 +145,11 @@ def test_whole_node_target_refuses_one_node():
                                                         "train.num_workers=4"]), one)
 
 
+OVERRIDES = ["train.max_steps=60", "train.eval_interval=60", "train.ckpt_interval=60",
+             "train.cpus_per_worker=0.5", "extract.num_cpus_per_replica=0.5", "extract.max_replicas=2",
+             "evaluate.seeds=0", "evaluate.prompts=24"]
+
+
 def test_online_job_end_to_end_and_resubmitted(tmp_path, ray_cluster):
     """The end-to-end job with --online on the sample data: ingest, generate, online
     training, export, check (reference features captured again), evaluate; no store and no
@@ -154,10 +159,7 @@ def test_online_job_end_to_end_and_resubmitted(tmp_path, ray_cluster):
     from sample_data import small_sample_data
     from eagle_ray.job.pipeline import run_end_to_end
 
-    r = load_recipe("tiny_cpu", ["train.max_steps=60", "train.eval_interval=60",
-                                 "train.ckpt_interval=60", "train.cpus_per_worker=0.5",
-                                 "extract.num_cpus_per_replica=0.5", "extract.max_replicas=2",
-                                 "evaluate.seeds=0", "evaluate.prompts=24"])
+    r = load_recipe("tiny_cpu", OVERRIDES)
     out = tmp_path / "run"
     data = small_sample_data(150, 100)
     s = run_end_to_end(r, data, out, online=True)
@@ -176,3 +178,16 @@ def test_online_job_end_to_end_and_resubmitted(tmp_path, ray_cluster):
 
     again = run_end_to_end(r, data, out, online=True)
     assert again["steps_run"] == [] and again["train"]["step"] == 60
+
+    # `eagle-ray evaluate` on the online-trained drafter, as a user runs it: exit 0, and it
+    # says there are no offline figures (it used to run every engine, then die on a TypeError).
+    import subprocess
+    import sys
+
+    sets = [a for o in OVERRIDES for a in ("--set", o)]
+    p = subprocess.run([sys.executable, "-m", "eagle_ray.cli", "evaluate", "--drafter", str(out / "drafter"),
+                        "--prompts", str(out / "ingest"), "--out", str(tmp_path / "ev"), "--seeds", "0",
+                        "--limit", "8", *sets], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "RAY_ADDRESS": ray_cluster})
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert "offline none (trained online, without a store)" in p.stdout, p.stdout[-2000:]
