@@ -1,4 +1,4 @@
-.PHONY: setup demo test bench
+.PHONY: setup demo test test-fast bench
 # Ray's anonymous usage stats stay off; vLLM must not reach for a model hub.
 export RAY_USAGE_STATS_ENABLED=0
 export HF_HUB_OFFLINE=1
@@ -16,6 +16,11 @@ demo: setup
 PYTEST_ARGS ?= -q
 test: setup
 	.venv/bin/python -m pytest $(PYTEST_ARGS) tests
+
+# The inner loop: tests/unit (no Ray cluster, no vLLM engine in this process; a few start a
+# short subprocess). Which change needs the full suite: README, "Tests".
+test-fast: setup
+	.venv/bin/python -m pytest $(PYTEST_ARGS) tests/unit
 
 bench: setup
 	.venv/bin/python bench/bench_ingest_stats.py

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from eagle_ray.recipes import load_recipe
-from sample_data import TINY_TRAINED
+from sample_data import TINY_STEPS, TINY_TRAINED
 
 pytestmark = pytest.mark.integration
 
@@ -34,18 +34,21 @@ def test_evaluate_trained_beats_untrained_and_ngram(tiny_trained, tmp_path):
     ev = tmp_path / "eval"
     assert (ev / "report.md").exists() and (ev / "acceptance.png").stat().st_size > 1000
     # As served (the recipe's 1.0 / 0.95, 2 seeds): the sampler leaves the distribution alone,
-    # offline expectation and online agree, figures per source, the speedup is the headline.
+    # figures per source, the speedup is the headline. The store holds LOGGED completions, not
+    # the target's samples at the serving profile, so the offline expectation is reported but
+    # not judged (the judgement: test_kimi_pipeline.py, on a regenerated store).
     s = rep["as_served"]
     print("as served:", {m: round(v, 3) for m, v in s["draft_sample_method"].items()},
           "offline expected:", {m: round(v, 3) for m, v in s["offline_expected"].items()},
           "distribution p:", {n: r["p_value"] for n, r in s["distribution_test"]["runs"].items()})
     assert s["distribution_test"]["passed"], s["distribution_test"]
-    assert s["offline_online_agree"], s["offline_online_gap"]
+    assert s["offline_online_agree"] is None and "keep_logged completions" in s["offline_online_not_judged"]
     assert set(rep["online"]["per_source"]) == {"in"} == set(rep["offline"]["per_source"])
     assert len(s["runs"]["online"]["per_seed"]) == 2
     assert rep["headline"]["setting"] == "as served" and rep["headline"]["speedup"] > 0
     md = (tmp_path / "eval" / "report.md").read_text()
     assert md.startswith("# Drafter evaluation\n\n**Expected speedup as served:") and "PASSED" in md
+    assert "not compared: the store holds keep_logged completions" in md
     assert "## Per source" in md
 
     # export --evaluation: serving.json recommends what was measured best.
@@ -235,10 +238,10 @@ def test_init_from_an_export_continues_where_it_left_off(tiny_trained, tmp_path)
     from eagle_ray.train.run import run_train
 
     d, r = tiny_trained
-    b = load_recipe("tiny_cpu", BASE + ["train.max_steps=1", "train.eval_interval=150",
+    b = load_recipe("tiny_cpu", BASE + ["train.max_steps=1", f"train.eval_interval={TINY_STEPS}",
                                         f"train.init_from={d / 'drafter'}"])
     run_train(b, d / "store", tmp_path / "b")
-    a_final, b_start = _val_at(d / "run", 150), _val_at(tmp_path / "b", 0)
+    a_final, b_start = _val_at(d / "run", TINY_STEPS), _val_at(tmp_path / "b", 0)
     for key in ("val/loss_step0", "val/acc_step0", "val/loss_step1", "val/acc_step1"):
         assert b_start[key] == pytest.approx(a_final[key], abs=1e-5), key
     info_a = json.loads((d / "run" / "run.json").read_text())
@@ -293,8 +296,8 @@ def test_two_layer_drafter_is_served_by_vllm_as_trained(tiny_trained, tmp_path):
     from eagle_ray.train.run import run_train
 
     d, _ = tiny_trained
-    r = load_recipe("tiny_cpu", BASE + ["drafter.num_layers=2", "train.max_steps=80",
-                                        "train.eval_interval=80", "train.ckpt_interval=80"])
+    r = load_recipe("tiny_cpu", BASE + ["drafter.num_layers=2", "train.max_steps=50",
+                                        "train.eval_interval=50", "train.ckpt_interval=50"])
     run_train(r, d / "store", tmp_path / "run")
     export_drafter(tmp_path / "run", tmp_path / "drafter")
     cfg = json.loads((tmp_path / "drafter" / "config.json").read_text())

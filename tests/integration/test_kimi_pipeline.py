@@ -31,6 +31,39 @@ def test_whole_pipeline_on_the_kimi_twin(finished_run):
     assert al["online"] > al["ngram"] + 1.0 and al["online"] > al["untrained"] + 1.0
 
 
+def test_offline_expectation_holds_online_and_fails_on_features_shifted_at_serving(finished_run, tmp_path):
+    """The job regenerated its data at the serving profile, so the offline expectation of
+    acceptance as served is exact (evaluate/served.py) and the job's evaluate judged it: the
+    healthy drafter agrees with vLLM within the noise. The same drafter served with its aux
+    layers shifted by one (a config that makes vLLM feed it other features than it was trained
+    on) accepts far less online than the store predicts, and evaluate says so."""
+    import shutil
+
+    from eagle_ray.evaluate.run import problems, run_evaluate
+    from eagle_ray.recipes import load_recipe
+
+    run, s = finished_run
+    served = s["evaluate"]["as_served"]
+    print("kimi twin as served: online", served["draft_sample_method"], "offline expected",
+          served["offline_expected"], "tolerance", served.get("offline_online_tolerance"))
+    assert served["offline_online_agree"] is True, served.get("offline_online_not_judged")
+
+    bad = tmp_path / "shifted_drafter"
+    shutil.copytree(run / "drafter", bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    shifted = [i + 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]]
+    cfg["eagle_aux_hidden_state_layer_ids"] = shifted
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = shifted
+    (bad / "config.json").write_text(json.dumps(cfg))
+    r = load_recipe("tiny_kimi_cpu", ["evaluate.seeds=1"])
+    rep = run_evaluate(r, bad, run / "ingest", tmp_path / "eval", limit=12)
+    a = rep["as_served"]
+    print("shifted features: online", a["draft_sample_method"], "offline expected", a["offline_expected"])
+    assert a["offline_online_agree"] is False, a["offline_online_gap"]
+    assert any("not what the store predicts" in p for p in problems(rep)), problems(rep)
+    assert "offline and online DISAGREE" in (tmp_path / "eval" / "report.md").read_text()
+
+
 def test_fine_tune_job_from_the_runs_own_export(finished_run, tmp_path):
     """The job's fine-tune path (jobs/end_to_end.py --init-from, train.init_from) on the Kimi
     twin: a new job starts from the finished run's exported drafter, on the same data (its
@@ -48,10 +81,10 @@ def test_fine_tune_job_from_the_runs_own_export(finished_run, tmp_path):
     out = tmp_path / "finetune"
     for step in ("ingest", "generate", "store"):
         shutil.copytree(run / step, out / step)
-    r = load_recipe("tiny_kimi_cpu", ["train.max_steps=20", "train.eval_interval=20",
-                                      "train.ckpt_interval=20", "train.cpus_per_worker=1",
+    r = load_recipe("tiny_kimi_cpu", ["train.max_steps=10", "train.eval_interval=10",
+                                      "train.ckpt_interval=10", "train.cpus_per_worker=1",
                                       f"train.init_from={run / 'drafter'}", "evaluate.seeds=1",
-                                      "evaluate.prompts=24"])
+                                      "evaluate.prompts=12"])
     s = run_end_to_end(r, small_sample_data(), out)
     assert s["status"] == "finished"
     info = json.loads((out / "train" / "run.json").read_text())

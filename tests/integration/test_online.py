@@ -12,9 +12,12 @@ from eagle_ray.recipes import load_recipe
 pytestmark = pytest.mark.integration
 
 
+# Steps enough to check behaviour (same weights online and offline, resume), not quality:
+# the online job below keeps a quality floor.
+STEPS = 8
 SETS = ["generate.mode=keep_logged", "storage.dtype=fp32", "data.max_seq_len=128",
-        "train.num_workers=2", "train.max_steps=40", "train.eval_interval=40",
-        "train.ckpt_interval=40", "train.log_interval=10", "train.cpus_per_worker=0.5",
+        "train.num_workers=2", f"train.max_steps={STEPS}", f"train.eval_interval={STEPS}",
+        f"train.ckpt_interval={STEPS}", "train.log_interval=2", "train.cpus_per_worker=0.5",
         "extract.num_cpus_per_replica=0.5", "extract.max_replicas=2"]
 
 
@@ -24,12 +27,12 @@ def _files(root: Path) -> set[str]:
 
 @pytest.fixture(scope="module")
 def offline(tmp_path_factory, ray_cluster, tiny_target_dir, make_logged_store):
-    """A store of 400 logged conversations (and the conversations), and an offline run on it."""
+    """A store of 160 logged conversations (and the conversations), and an offline run on it."""
     from eagle_ray.train.run import run_train
 
     d = tmp_path_factory.mktemp("online")
     r = load_recipe("tiny_cpu", SETS)
-    store = make_logged_store(d, 400, 7, r)
+    store = make_logged_store(d, 160, 7, r)
     return d, store, run_train(r, store, d / "off")
 
 
@@ -40,89 +43,42 @@ def _weights(run: Path) -> dict:
     return load_file(str(ckpt / "model.safetensors"))
 
 
-def test_online_equals_offline_and_writes_no_features(offline):
-    from eagle_ray.evaluate.acceptance import online_runs_isolated, prompts_from_ingest
-    from eagle_ray.vllm.engine import engine_kwargs
-    from eagle_ray.export.drafter import export_drafter
-    from eagle_ray.extract.vllm_capture import transfer_dir
-    from eagle_ray.train.run import run_train
-    from transformers import AutoTokenizer
-
-    tmp_path, store, off = offline
-    r = load_recipe("tiny_cpu", SETS)
-    conv = tmp_path / "conv"
-
-    before = _files(tmp_path) - {f for f in _files(tmp_path) if f.startswith("on/")}
-    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    on = run_train(r, None, tmp_path / "on", conversations=conv)
-    new = _files(tmp_path) - before
-    # Nothing but the run directory was written, and no hidden state in it: no store, no shard.
-    assert all(f.startswith("on/") for f in new), sorted(new)[:5]
-    assert not any("shard" in f or f.startswith("on/store") for f in new)
-    assert on["online/spilled_bytes"] == 0  # the object store never spilled to disk
-    # vLLM's per-request state files went through RAM (/dev/shm), and none is left there.
-    if transfer_dir() == "/dev/shm":
-        left = [str(p) for d in set(os.listdir("/dev/shm")) - shm_before
-                for p in Path("/dev/shm", d).rglob("*") if p.is_file()]
-        assert left == []
-
-    # Same samples, same steps: held-out accuracy within 0.05 (the batch plan is the same).
-    assert on["step"] == off["step"] == 40
-    assert abs(on["val/acc_step0"] - off["val/acc_step0"]) <= 0.05, (on, off)
-
-    # Exported drafters served by vLLM: online acceptance within 0.3 of each other.
-    d_off = export_drafter(tmp_path / "off", tmp_path / "drafter_off")
-    d_on = export_drafter(tmp_path / "on", tmp_path / "drafter_on")
-    # check without a store: a held-out sample's features are captured again and compared
-    # with what vLLM feeds the online-trained drafter.
-    from eagle_ray.evaluate.check import run_check
-
-    chk = run_check(r, d_on, None)
-    assert chk.ok, chk.problems
-    assert chk.details["tokens_compared"] > 0
-    from eagle_ray.targets.resolve import resolve_target_path
-
-    model = str(resolve_target_path(r.target))
-    tok = AutoTokenizer.from_pretrained(model)
-    import json
-
-    prompts = prompts_from_ingest(tmp_path / "prompts", tok, 24,
-                                  exclude_ids=set(json.loads(
-                                      (tmp_path / "off" / "run.json").read_text())["train_ids"]))
-    ekw = engine_kwargs(r, model)
-    runs = online_runs_isolated(ekw, prompts, 48, {
-        name: {"method": "eagle3", "model": str(d), "num_speculative_tokens": 3}
-        for name, d in (("offline", d_off), ("online", d_on))})
-    al = {name: res["mean_acceptance_length"] for name, res in runs.items()}
-    print("online training: val acc0", on["val/acc_step0"], "offline", off["val/acc_step0"],
-          "; vLLM mean acceptance length", al, "; tokens/s online", on["train/tokens_per_s"],
-          "offline", off["train/tokens_per_s"])
-    assert abs(al["online"] - al["offline"]) <= 0.3, al
-    assert al["online"] > 1.3, al  # it learned something
-
-
-def test_killed_online_run_resumes_from_its_data_position(offline, tmp_path, ray_cluster,
-                                                          kill_training):
-    """Killed after its step-20 checkpoint, the online run resumes there (re-extracting from
-    step 21 on) and ends with the weights of the uninterrupted offline run."""
+def test_killed_online_run_resumes_to_the_offline_weights_and_writes_no_features(
+        offline, tmp_path, ray_cluster, kill_training):
+    """Killed after its step-4 checkpoint, the online run resumes there (re-extracting from
+    step 5 on) and ends with the weights of the uninterrupted OFFLINE run on the same samples
+    and steps: online training is offline training without the store. Nothing but the run
+    directory is written (no store, no shard), the object store never spills, and vLLM's
+    per-request state files (through RAM, /dev/shm) are all gone."""
     import json
 
     import torch
 
+    from eagle_ray.extract.vllm_capture import transfer_dir
     from eagle_ray.train.run import run_train
 
     d, _, _ = offline
     run = tmp_path / "killed"
-    sets = SETS + ["train.ckpt_interval=10"]
+    before = _files(d)
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    sets = SETS + ["train.ckpt_interval=2"]
     kill_training(["--conversations", str(d / "conv")] + [a for o in sets for a in ("--set", o)],
-                    run, 20, ray_cluster, 40)
+                  run, 4, ray_cluster, STEPS)
     m = run_train(load_recipe("tiny_cpu", sets), None, run, conversations=d / "conv")
-    assert m["step"] == 40
+    assert m["step"] == STEPS
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == sorted(set(steps)) and steps[-1] == 40, steps  # nothing logged twice
+    assert steps == sorted(set(steps)) and steps[-1] == STEPS, steps  # nothing logged twice
     a, b = _weights(d / "off"), _weights(run)
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5, msg=k)
+
+    assert _files(d) == before  # nothing written next to the conversations: no store
+    assert not [f for f in _files(run) if "shard" in f or f.startswith("store")]
+    assert m["online/spilled_bytes"] == 0
+    if transfer_dir() == "/dev/shm":
+        left = [str(p) for x in set(os.listdir("/dev/shm")) - shm_before
+                for p in Path("/dev/shm", x).rglob("*") if p.is_file()]
+        assert left == []
 
 
 def test_whole_node_target_refuses_one_node():
@@ -191,3 +147,11 @@ def test_online_job_end_to_end_and_resubmitted(tmp_path, ray_cluster):
                        env={**os.environ, "RAY_ADDRESS": ray_cluster})
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     assert "offline none (trained online, without a store)" in p.stdout, p.stdout[-2000:]
+    # Its console: four engines one after another in one child process, and not one vLLM
+    # warning (the second engine used to print "Kernel ... is already registered" 11 times
+    # and "Unknown vLLM environment variable detected: VLLM_DIST_IDENT"), no traceback.
+    console = p.stdout + p.stderr
+    assert "online run 4 of 4" in console, console[-3000:]
+    noise = [line for line in console.splitlines()
+             if "WARNING" in line or "Unknown vLLM environment variable" in line or "Traceback" in line]
+    assert noise == [], noise[:10]

@@ -46,13 +46,15 @@ def frequency_baseline(store_dir, run_dir):
 
 
 def test_training_learns_far_above_untrained_and_frequency(tiny_trained):
-    """The session's 150-step run (conftest.tiny_trained), which test_export_evaluate.py also
+    """The session's TINY_STEPS run (conftest.tiny_trained), which test_export_evaluate.py also
     serves and evaluates."""
+    from sample_data import TINY_STEPS
+
     d, _ = tiny_trained
     store, run = d / "store", d / "run"
     metrics = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     last = [m for m in metrics if "val/acc_step0" in m][-1]
-    assert last["step"] == 150
+    assert last["step"] == TINY_STEPS
     untrained = metrics[0]["val/acc_step0"]
     trained = last["val/acc_step0"]
     baseline = frequency_baseline(store, run)
@@ -60,7 +62,7 @@ def test_training_learns_far_above_untrained_and_frequency(tiny_trained):
           f"{baseline:.3f}, trained {trained:.3f}; step-1 {last['val/acc_step1']:.3f}")
     assert trained > 0.4 and trained > untrained + 0.3 and trained > baseline + 0.2
     assert last["val/acc_step1"] > baseline  # later TTT steps learn too
-    assert (run / "tensorboard").exists() and (run / "checkpoints" / "step-0000150").exists()
+    assert (run / "tensorboard").exists() and (run / "checkpoints" / f"step-{TINY_STEPS:07d}").exists()
 
 
 def _weights(run):
@@ -89,15 +91,17 @@ def _weights_changed(w, run):
 def test_killed_run_resumes_to_the_same_weights(store, tmp_path, ray_cluster, kill_training):
     from eagle_ray.train.run import run_train
 
-    sets = ["train.max_steps=40", "train.ckpt_interval=10", "train.eval_interval=1000"]
+    # Behaviour, not quality: 8 steps, a checkpoint every 2, killed after step 4's.
+    sets = ["train.max_steps=8", "train.ckpt_interval=2", "train.eval_interval=1000",
+            "train.log_interval=2"]
     run_train(recipe(*sets), store, tmp_path / "straight")
 
     run = tmp_path / "killed"
-    kill_training(["--store", str(store)] + [a for o in ["train.cpus_per_worker=1", "train.log_interval=10", *sets]
-                                               for a in ("--set", o)], run, 20, ray_cluster, 40)
+    kill_training(["--store", str(store)] + [a for o in ["train.cpus_per_worker=1", *sets]
+                                               for a in ("--set", o)], run, 4, ray_cluster, 8)
     run_train(recipe(*sets), store, run)  # same RUN_DIR: resumes from the latest checkpoint
     steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 10, 20, 30, 40], steps  # rows past the checkpoint are not repeated
+    assert steps == [0, 2, 4, 6, 8], steps  # rows past the checkpoint are not repeated
     a, b = _weights(tmp_path / "straight"), _weights(run)
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5, msg=k)
