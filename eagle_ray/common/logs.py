@@ -33,6 +33,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from eagle_ray.common.atomic import atomic_write_text
+
 LOG_DIR_ENV = "EAGLE_RAY_LOG_DIR"
 LEVEL_ENV = "EAGLE_RAY_LOG_LEVEL"
 LOGS_DIR = "logs"  # OUT/logs
@@ -301,8 +303,8 @@ def setup(out_dir: str | Path | None = None, *, verbose_flag: bool = False,
     try:
         cfg_dir.mkdir(parents=True, exist_ok=True)
         vpath, dpath = cfg_dir / "vllm-logging.json", cfg_dir / "ray-data-logging.yaml"
-        _write_atomic(vpath, json.dumps(vllm_config(str(log_dir) if log_dir else None), indent=1))
-        _write_atomic(dpath, json.dumps(ray_data_config(str(log_dir) if log_dir else None), indent=1))
+        atomic_write_text(vpath, json.dumps(vllm_config(str(log_dir) if log_dir else None), indent=1))
+        atomic_write_text(dpath, json.dumps(ray_data_config(str(log_dir) if log_dir else None), indent=1))
         env["VLLM_LOGGING_CONFIG_PATH"] = str(vpath)
         env["RAY_DATA_LOGGING_CONFIG"] = str(dpath)  # JSON is YAML
     except OSError:
@@ -326,12 +328,6 @@ def add_file_handler(role: str) -> None:
     f.setFormatter(logging.Formatter(FORMAT))
     f._eagle_ray = True
     root.addHandler(f)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _configure_libraries() -> None:

@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterable
 
-from eagle_ray.common.provenance import atomic_write_json, fsync_dir
+from eagle_ray.common.atomic import atomic_write_json, fsync_dir
 
 MARKER = ".eagle-ray-output.json"
 

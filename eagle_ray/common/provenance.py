@@ -1,5 +1,5 @@
-"""Provenance: what produced an output directory (target identity, versions, command line),
-and the atomic-write helpers every stage uses."""
+"""Provenance: what produced an output directory (target identity, versions, command line).
+(Atomic writes: common/atomic.py.)"""
 
 from __future__ import annotations
 
@@ -69,41 +69,3 @@ def provenance() -> dict[str, Any]:
     return {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "command": sys.argv, "versions": package_versions(), "git_revision": git_revision(),
             "host": os.uname().nodename}
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write to a temporary name in the same directory, fsync, rename over the target."""
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
-    fsync_dir(p.parent)
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
-
-
-def atomic_write_parquet(path: str | Path, table) -> None:
-    import pyarrow.parquet as pq
-
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        pq.write_table(table, f, compression="zstd")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
-    fsync_dir(p.parent)
-
-
-def fsync_dir(path: str | Path) -> None:
-    """fsync a directory (its entries: a rename into it is durable) or a file (its bytes)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

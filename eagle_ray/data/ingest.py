@@ -18,15 +18,15 @@ import gc
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eagle_ray.common.atomic import AtomicFile, fsync_dir
 from eagle_ray.common.logs import display_path
 from eagle_ray.data.formats import _Reject, _canon_encode, _loads, _parse, _tname, canonical_json
 from eagle_ray.data.mix import SourceSpec, _check_sources, _selection, _shuffle_mix
@@ -117,35 +117,16 @@ class IngestResult:
 # --------------------------------------------------------------------------- output files
 
 
-class _AtomicFile:
-    """Buffered binary file written as ``name.tmp-<pid>`` and renamed into place on commit."""
+class _RowsFile(AtomicFile):
+    """An atomic JSON-lines output (rejects, duplicates, sampled-out) that counts its rows."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self.tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        self.f: BinaryIO = open(self.tmp, "wb", buffering=1 << 20)
+        super().__init__(path)
         self.rows = 0
 
     def write_row(self, row: dict) -> None:
         self.f.write(json.dumps(row, ensure_ascii=False).encode("utf-8") + b"\n")
         self.rows += 1
-
-    def finish(self) -> None:
-        """Flush and fsync the temp file (the rename happens in commit)."""
-        if not self.f.closed:
-            self.f.flush()
-            os.fsync(self.f.fileno())
-            self.f.close()
-
-    def commit(self) -> None:
-        self.finish()
-        os.replace(self.tmp, self.path)
-
-    def abort(self) -> None:
-        try:
-            self.f.close()
-        finally:
-            self.tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -161,19 +142,6 @@ def _no_cyclic_gc():
     finally:
         if was:
             gc.enable()
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # not supported everywhere; the renames are still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------- ingest
@@ -212,7 +180,7 @@ class _Ingestor:
         if self.progress is not None:
             self.progress(("warning: " if warn else "") + msg)
 
-    def _reject(self, rejects: _AtomicFile, source: str, counts: dict, lineno: int, offset: int,
+    def _reject(self, rejects: _RowsFile, source: str, counts: dict, lineno: int, offset: int,
                 code: str, message: str, raw: bytes, raw_len: int) -> None:
         counts["rejected"] += 1
         self.reject_reasons[code] = self.reject_reasons.get(code, 0) + 1
@@ -229,7 +197,7 @@ class _Ingestor:
             }
         )
 
-    def read_source(self, si: int, size: int, rejects: _AtomicFile, dups: _AtomicFile) -> None:
+    def read_source(self, si: int, size: int, rejects: _RowsFile, dups: _RowsFile) -> None:
         spec = self.sources[si]
         path, name = spec.path, spec.name  # the file, its label (rows)
         shown = display_path(path)  # the user's path (messages), not a Ray job's copy
@@ -386,7 +354,7 @@ class _Ingestor:
                      f"{self.max_line_bytes:,}", head, raw_len)
         return offset
 
-    def select(self, sampled: _AtomicFile) -> tuple[list[int], dict[str, int], list[dict[str, Any]]]:
+    def select(self, sampled: _RowsFile) -> tuple[list[int], dict[str, int], list[dict[str, Any]]]:
         """Apply per-source count/fraction; return kept indices (shuffled), shortfalls, selection info."""
         keep: list[int] = []
         shortfall: dict[str, int] = {}
@@ -467,13 +435,13 @@ def ingest(
     out.mkdir(parents=True, exist_ok=True)
 
     ing = _Ingestor(sources, out, seed, max_line_bytes, progress)
-    files: list[_AtomicFile] = []
+    files: list[AtomicFile] = []
     try:
-        rejects = _AtomicFile(out / REJECTS_FILE)
+        rejects = _RowsFile(out / REJECTS_FILE)
         files.append(rejects)
-        dups = _AtomicFile(out / DUPLICATES_FILE)
+        dups = _RowsFile(out / DUPLICATES_FILE)
         files.append(dups)
-        sampled = _AtomicFile(out / SAMPLED_OUT_FILE)
+        sampled = _RowsFile(out / SAMPLED_OUT_FILE)
         files.append(sampled)
         with _no_cyclic_gc():
             for si in range(len(sources)):
@@ -506,7 +474,7 @@ def ingest(
         if totals["accepted"] == 0:
             ing._say("no sample was accepted; writing empty outputs", warn=True)
 
-        pq_file = _AtomicFile(out / PROMPTS_FILE)
+        pq_file = AtomicFile(out / PROMPTS_FILE)
         files.append(pq_file)
         pq.write_table(table, pq_file.f, compression="zstd", row_group_size=100_000)
         del table
@@ -536,7 +504,7 @@ def ingest(
             "warnings": ing.warnings,
             "outputs": [PROMPTS_FILE, REJECTS_FILE, DUPLICATES_FILE, SAMPLED_OUT_FILE, REPORT_FILE],
         }
-        rep = _AtomicFile(out / REPORT_FILE)
+        rep = AtomicFile(out / REPORT_FILE)
         files.append(rep)
         rep.f.write(json.dumps(report, indent=2, ensure_ascii=False).encode("utf-8") + b"\n")
 
@@ -546,8 +514,8 @@ def ingest(
         # is removed first and renamed in last, so its presence marks a complete set.
         (out / REPORT_FILE).unlink(missing_ok=True)
         for af in files:
-            af.commit()
-        _fsync_dir(out)
+            af.commit(sync_dir=False)  # one fsync of the directory for all of them, below
+        fsync_dir(out)
     except BaseException:
         for af in files:
             af.abort()

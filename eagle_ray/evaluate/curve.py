@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from eagle_ray.config import Recipe
-from eagle_ray.common.provenance import atomic_write_bytes, atomic_write_json, provenance
+from eagle_ray.common.atomic import atomic_write_bytes, atomic_write_json
+from eagle_ray.common.provenance import provenance
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from typing import Any
 from eagle_ray.config import Recipe
 from eagle_ray.targets.resolve import resolve_target_path
 from eagle_ray.common.outputs import claim_output_dir
-from eagle_ray.common.provenance import atomic_write_bytes, atomic_write_json, provenance
+from eagle_ray.common.atomic import atomic_write_bytes, atomic_write_json
+from eagle_ray.common.provenance import provenance
 
 # Offline (expected, exact in expectation) and online mean acceptance lengths as served agree
 # when the gap is within this many standard errors of the two figures' sampling noise, or

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle_ray.common.outputs import check_output_dir, replace_dir_atomically
-from eagle_ray.common.provenance import atomic_write_json, provenance
+from eagle_ray.common.atomic import atomic_write_json
+from eagle_ray.common.provenance import provenance
 
 EXPORT_FILES = ("config.json", "model.safetensors", "serving.json")
 

@@ -33,8 +33,8 @@ from eagle_ray.targets.serving import generation_sampling, serving_profile
 from eagle_ray.generate.stage import CONVERSATIONS_SCHEMA, INPUT_COLUMNS, GenerateUDF, LoggedUDF
 from eagle_ray.common.outputs import claim_output_dir
 from eagle_ray.common.tables import stage_file
-from eagle_ray.common.provenance import (atomic_write_bytes, atomic_write_json, atomic_write_parquet,
-                                         provenance, target_fingerprint)
+from eagle_ray.common.atomic import AtomicFile, atomic_write_bytes, atomic_write_json, atomic_write_parquet
+from eagle_ray.common.provenance import provenance, target_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -342,7 +342,6 @@ def consolidate(out: Path, prompts: Path, params: dict, limit: int | None = None
     from the parts chunk by chunk."""
     import numpy as np
 
-    from eagle_ray.common.provenance import fsync_dir
     from eagle_ray.generate.prompts import completion_indices
 
     read = read_parts(out / PARTS_DIR)
@@ -375,25 +374,16 @@ def consolidate(out: Path, prompts: Path, params: dict, limit: int | None = None
     n_done = len(order)
     del order
 
-    path = out / CONVERSATIONS_FILE
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tokens, reasons = 0, {}
-    try:
-        with open(tmp, "wb") as f:
-            with pq.ParquetWriter(f, CONVERSATIONS_SCHEMA, compression="zstd") as w:
-                if not len(ok_order):
-                    w.write_table(CONVERSATIONS_SCHEMA.empty_table())
-                for chunk in _gather(parts, fidx[ok_order], rowidx[ok_order], CONVERSATIONS_SCHEMA.names):
-                    w.write_table(chunk, row_group_size=CONSOLIDATE_CHUNK)
-                    tokens += int(pc.sum(chunk.column("num_completion_tokens")).as_py() or 0)
-                    for r in pc.value_counts(chunk.column("finish_reason")).to_pylist():
-                        reasons[r["values"]] = reasons.get(r["values"], 0) + r["counts"]
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with AtomicFile(out / CONVERSATIONS_FILE) as f:
+        with pq.ParquetWriter(f.f, CONVERSATIONS_SCHEMA, compression="zstd") as w:
+            if not len(ok_order):
+                w.write_table(CONVERSATIONS_SCHEMA.empty_table())
+            for chunk in _gather(parts, fidx[ok_order], rowidx[ok_order], CONVERSATIONS_SCHEMA.names):
+                w.write_table(chunk, row_group_size=CONSOLIDATE_CHUNK)
+                tokens += int(pc.sum(chunk.column("num_completion_tokens")).as_py() or 0)
+                for r in pc.value_counts(chunk.column("finish_reason")).to_pylist():
+                    reasons[r["values"]] = reasons.get(r["values"], 0) + r["counts"]
     lines = []
     for chunk in _gather(parts, fidx[rej_order], rowidx[rej_order], ["sample_id", "source", "reason", "message"]):
         lines += [json.dumps({"sample_id": r["sample_id"], "source": r["source"],

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from eagle_ray.config import Recipe
 from eagle_ray.targets.resolve import resolve_target_path
-from eagle_ray.common.provenance import atomic_write_json
+from eagle_ray.common.atomic import atomic_write_json
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_ray.common.provenance import fsync_dir
+from eagle_ray.common.atomic import fsync_dir
 import numpy as np
 
 from eagle_ray.store.format import INDEX_DIR, INDEX_SCHEMA, StoreDamagedError, repair_hint

@@ -27,7 +27,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_ray.common.provenance import fsync_dir
+from eagle_ray.common.atomic import AtomicFile, fsync_dir
 from eagle_ray.store.format import (INDEX_DIR, SHARDS_DIR, sample_checksum, stored_tensors,
                                     tensor_bytes)
 from eagle_ray.store.lock import store_lock
@@ -76,7 +76,7 @@ def _row_checker(root: Path, manifest):
 def _settle_layout(root: Path) -> int:
     """Step 6; returns the bytes dropped. Runs after every temporary file is gone, so each
     gap or tail the layout finds is owned by no write at all."""
-    from eagle_ray.common.provenance import atomic_write_json
+    from eagle_ray.common.atomic import atomic_write_json
     from eagle_ray.store.format import DROPPED_FILE
     from eagle_ray.store.reader import layout, read_dropped
 
@@ -105,12 +105,15 @@ def _rewrite_part(path: Path, table: pa.Table) -> None:
     if table.num_rows == 0:
         path.unlink()
         return
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        pq.write_table(table, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # The store's own temporary name (readers and repair know `.part-*.tmp`); the directory
+    # is fsynced once by the caller.
+    f = AtomicFile(path, tmp=path.with_name(f".{path.name}.tmp"))
+    try:
+        pq.write_table(table, f.f, compression="snappy")
+        f.commit(sync_dir=False)
+    except BaseException:
+        f.abort()
+        raise
 
 
 def repair_store(root: str | Path, *, dry_run: bool = False) -> dict[str, Any]:

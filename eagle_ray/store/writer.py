@@ -36,7 +36,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_ray.common.provenance import atomic_write_json, fsync_dir
+from eagle_ray.common.atomic import atomic_write_json, fsync_dir
 from eagle_ray.store.format import (FP8_MAX, INDEX_DIR, INDEX_SCHEMA, MANIFEST_FILE, SHARDS_DIR,
                                     TORCH_DTYPES, StoreError, StoreManifest, sample_checksum,
                                     tensor_bytes)

@@ -21,7 +21,7 @@ def write_part(batch: pa.Table, parts_dir: str, skip: pa.Array | None = None) ->
     part was lost: generated again for the record, not extracted twice)."""
     from eagle_ray.extract.stage import INPUT_COLUMNS
     from eagle_ray.generate.stage import CONVERSATIONS_SCHEMA
-    from eagle_ray.common.provenance import atomic_write_parquet
+    from eagle_ray.common.atomic import atomic_write_parquet
 
     if batch.num_rows == 0:
         return batch.select(list(INPUT_COLUMNS))

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_ray.common.errors import UserFault
-from eagle_ray.common.provenance import atomic_write_json, fsync_dir
+from eagle_ray.common.atomic import atomic_write_json, fsync_dir
 
 logger = logging.getLogger(__name__)
 
