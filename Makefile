@@ -1,4 +1,4 @@
-.PHONY: setup demo test test-fast bench
+.PHONY: setup demo test test-fast lint bench
 # Ray's anonymous usage stats stay off; vLLM must not reach for a model hub.
 export RAY_USAGE_STATS_ENABLED=0
 export HF_HUB_OFFLINE=1
@@ -14,8 +14,12 @@ demo: setup
 # workers); two files side by side thrashed (the same suite took 64 min with -n 2, 42 serial),
 # and one session shares its built pipelines across files.
 PYTEST_ARGS ?= -q
-test: setup
+test: lint
 	.venv/bin/python -m pytest $(PYTEST_ARGS) tests
+
+# pyproject.toml [tool.ruff]: no private member of another object, a complexity ceiling.
+lint: setup
+	.venv/bin/ruff check eagle_ray
 
 # The inner loop: tests/unit (no Ray cluster, no vLLM engine in this process; a few start a
 # short subprocess). Which change needs the full suite: README, "Tests".

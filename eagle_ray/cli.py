@@ -155,11 +155,11 @@ def cmd_scale(args) -> int:
                          "to show the pools")
     import os
 
-    from eagle_ray.ops.cluster import _resolve_address
+    from eagle_ray.ops.cluster import resolve_address
 
     if args.address:
         os.environ["RAY_ADDRESS"] = args.address
-    if _resolve_address(None)[0] is None:  # never start a cluster of our own here
+    if resolve_address(None)[0] is None:  # never start a cluster of our own here
         raise ValueError("no running Ray cluster found: pass --address (the GCS address, e.g. "
                          "127.0.0.1:6379) or set RAY_ADDRESS")
     init_ray(namespace="eagle_ray")

@@ -214,19 +214,19 @@ def quiet_known_loggers() -> None:
 def _configure_root(log_dir: str | None, role: str, stream=None) -> None:
     root = logging.getLogger()
     for h in list(root.handlers):
-        if getattr(h, "_eagle_ray", False):
+        if getattr(h, "eagle_ray_handler", False):
             root.removeHandler(h)
             h.close()
     root.setLevel(logging.DEBUG if verbose() else logging.INFO)
     console = logging.StreamHandler(stream or sys.stderr)
     console.setFormatter(ConsoleFormatter())
     console.addFilter(ConsoleFilter())
-    console._eagle_ray = True
+    console.eagle_ray_handler = True
     root.addHandler(console)
     if log_dir:
         f = ProcessFileHandler(log_dir, role)
         f.setFormatter(logging.Formatter(FORMAT))
-        f._eagle_ray = True
+        f.eagle_ray_handler = True
         root.addHandler(f)
     _quiet_warnings()
 
@@ -326,7 +326,7 @@ def add_file_handler(role: str) -> None:
         return
     f = ProcessFileHandler(log_dir, role)
     f.setFormatter(logging.Formatter(FORMAT))
-    f._eagle_ray = True
+    f.eagle_ray_handler = True
     root.addHandler(f)
 
 

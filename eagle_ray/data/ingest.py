@@ -28,15 +28,15 @@ import pyarrow.parquet as pq
 
 from eagle_ray.common.atomic import AtomicFile, fsync_dir
 from eagle_ray.common.logs import display_path
-from eagle_ray.data.formats import _Reject, _canon_encode, _loads, _parse, _tname, canonical_json
-from eagle_ray.data.mix import SourceSpec, _check_sources, _selection, _shuffle_mix
+from eagle_ray.data.formats import Reject, canon_encode, loads_line, parse_record, type_name, canonical_json
+from eagle_ray.data.mix import SourceSpec, check_sources, source_selection, shuffle_mix
 from eagle_ray.data.validate import (
-    _BOM,
+    UTF8_BOM,
     COUNTERS,
     INVARIANT,
-    _check_invariant,
-    _json_error,
-    _strip_eol,
+    check_invariant,
+    json_error,
+    strip_eol,
 )
 
 logger = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class _Ingestor:
         self.lines_total = 0
         self.t0 = time.monotonic()
 
-    def _say(self, msg: str, warn: bool = False) -> None:
+    def say(self, msg: str, warn: bool = False) -> None:
         if warn:
             self.warnings.append(msg)
             logger.warning("%s", msg)
@@ -206,7 +206,7 @@ class _Ingestor:
         limit = self.max_line_bytes + 1
         hasher = hashlib.sha256()
         update = hasher.update
-        loads = _loads
+        loads = loads_line
         sha256 = hashlib.sha256
         seen = self.seen
         a_src, a_line, a_msgs, a_ref, a_turns, a_hash = (
@@ -217,7 +217,7 @@ class _Ingestor:
         offset = 0
         every = PROGRESS_EVERY
         if size == 0:
-            self._say(f"source {shown} is empty (0 bytes)", warn=True)
+            self.say(f"source {shown} is empty (0 bytes)", warn=True)
         with open(path, "rb", buffering=1 << 20) as f:
             readline = f.readline
             while True:
@@ -231,7 +231,7 @@ class _Ingestor:
                 self.lines_total += 1
                 if self.lines_total % every == 0:
                     dt = max(time.monotonic() - self.t0, 1e-9)
-                    self._say(
+                    self.say(
                         f"{self.lines_total:,} lines read ({self.lines_total / dt:,.0f} lines/s), "
                         f"now {shown} line {lineno:,}"
                     )
@@ -248,7 +248,7 @@ class _Ingestor:
                         )
                         del chunk  # drop the ~max_line_bytes buffer before the next read
                         continue
-                if line_start == 0 and chunk.startswith(_BOM):
+                if line_start == 0 and chunk.startswith(UTF8_BOM):
                     chunk = chunk[3:]
                 # json.loads accepts the trailing "\r\n" as whitespace, so the line is not
                 # sliced (copied) on the hot path; only rejects strip it.
@@ -260,7 +260,7 @@ class _Ingestor:
                 try:
                     text = chunk.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    raw = _strip_eol(chunk)
+                    raw = strip_eol(chunk)
                     self._reject(rejects, name, counts, lineno, line_start, "invalid_utf8",
                                  f"invalid UTF-8 at byte {e.start} of the line ({e.reason})",
                                  raw, len(raw))
@@ -268,28 +268,28 @@ class _Ingestor:
                 try:
                     obj = loads(text)
                 except (ValueError, RecursionError) as e:
-                    raw = _strip_eol(chunk)
-                    msg = _json_error(text, e)
+                    raw = strip_eol(chunk)
+                    msg = json_error(text, e)
                     self._reject(rejects, name, counts, lineno, line_start, "invalid_json",
                                  f"invalid JSON: {msg}", raw, len(raw))
                     continue
                 try:
-                    prompt, ref, fmt = _parse(obj)
+                    prompt, ref, fmt = parse_record(obj)
                     # UTF-8 bytes from here on: hashed as they are, and Arrow takes them
                     # without encoding each string again (or caching a copy in it).
-                    m = _canon_encode(prompt).encode("utf-8")
-                    r = None if ref is None else _canon_encode(ref).encode("utf-8")
+                    m = canon_encode(prompt).encode("utf-8")
+                    r = None if ref is None else canon_encode(ref).encode("utf-8")
                     # Equal to canonical_json(prompt, ref): sort_keys puts "messages" first.
                     h = sha256(b'{"messages":' + m + b',"reference":' + (r or b"null") + b"}").hexdigest()
-                except _Reject as e:
-                    raw = _strip_eol(chunk)
+                except Reject as e:
+                    raw = strip_eol(chunk)
                     self._reject(rejects, name, counts, lineno, line_start, e.code, e.message,
                                  raw, len(raw))
                     continue
                 except UnicodeEncodeError:
                     # A "\ud800"-style escape decodes to a lone surrogate, which is not valid
                     # text and cannot be written to Parquet.
-                    raw = _strip_eol(chunk)
+                    raw = strip_eol(chunk)
                     self._reject(rejects, name, counts, lineno, line_start, "invalid_unicode",
                                  "a string contains a lone UTF-16 surrogate (\\ud800-\\udfff escape)",
                                  raw, len(raw))
@@ -318,14 +318,14 @@ class _Ingestor:
         counts["lines_read"] = lineno
         self.ranges.append((start_idx, len(a_hash)))
         if offset != size:
-            self._say(f"source {shown} changed while being read ({size} bytes at start, {offset} read)",
+            self.say(f"source {shown} changed while being read ({size} bytes at start, {offset} read)",
                       warn=True)
         self.file_info.append({"size_bytes": offset, "sha256": hasher.hexdigest()})
         n_ok = len(a_hash) - start_idx
         if lineno and n_ok == 0 and counts["duplicates"] == 0:
-            self._say(f"source {shown}: none of its {lineno} lines was accepted; see {REJECTS_FILE}",
+            self.say(f"source {shown}: none of its {lineno} lines was accepted; see {REJECTS_FILE}",
                       warn=True)
-        self._say(
+        self.say(
             f"{shown}: {lineno} lines, {n_ok} new samples, {counts['duplicates']} duplicates, "
             f"{counts['rejected']} rejected"
         )
@@ -364,12 +364,12 @@ class _Ingestor:
             n = hi - lo
             if spec.count is not None and spec.count > n:
                 shortfall[spec.name] = spec.count - n
-                self._say(
+                self.say(
                     f"source {spec.path}: asked for {spec.count} samples but only {n} were "
                     f"accepted after dedupe; taking all {n} (short by {spec.count - n})",
                     warn=True,
                 )
-            k, chosen, derived = _selection(spec, n, self.seed)
+            k, chosen, derived = source_selection(spec, n, self.seed)
             if chosen is not None:
                 chosen_set = set(chosen)
                 keep.extend(lo + j for j in chosen)
@@ -385,7 +385,7 @@ class _Ingestor:
             self.per_source[spec.name]["accepted"] = k
             info.append({"available": n, "selected": k, "shortfall": shortfall.get(spec.name, 0),
                          "derived_seed": derived})
-        _shuffle_mix(keep, self.seed)
+        shuffle_mix(keep, self.seed)
         return keep, shortfall, info
 
     def build_table(self, keep: list[int]) -> pa.Table:
@@ -430,7 +430,7 @@ def ingest(
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an integer, got {seed!r}")
     sources = list(sources)
-    sizes = _check_sources(sources)
+    sizes = check_sources(sources)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -453,7 +453,7 @@ def ingest(
             n_rows = table.num_rows
             table = annotate(table)
             if not isinstance(table, pa.Table):
-                raise TypeError(f"annotate must return a pyarrow.Table, got {_tname(table)}")
+                raise TypeError(f"annotate must return a pyarrow.Table, got {type_name(table)}")
             missing = [c for c in PROMPTS_SCHEMA.names if c not in table.column_names]
             if table.num_rows != n_rows or missing:
                 raise ValueError(
@@ -466,13 +466,13 @@ def ingest(
             for k in COUNTERS:
                 totals[k] += c[k]
         for path, c in ing.per_source.items():
-            _check_invariant(f"source {path}", c)
-        _check_invariant("total", totals)
+            check_invariant(f"source {path}", c)
+        check_invariant("total", totals)
         if totals["accepted"] != table.num_rows or totals["rejected"] != rejects.rows \
                 or totals["duplicates"] != dups.rows or totals["sampled_out"] != sampled.rows:
             raise AssertionError("output row counts do not match the counters")
         if totals["accepted"] == 0:
-            ing._say("no sample was accepted; writing empty outputs", warn=True)
+            ing.say("no sample was accepted; writing empty outputs", warn=True)
 
         pq_file = AtomicFile(out / PROMPTS_FILE)
         files.append(pq_file)
@@ -522,7 +522,7 @@ def ingest(
         raise
 
     dt = time.monotonic() - ing.t0
-    ing._say(
+    ing.say(
         f"ingested {totals['lines_read']} lines in {dt:.1f}s "
         f"({totals['lines_read'] / max(dt, 1e-9):,.0f} lines/s): {totals['accepted']} accepted, "
         f"{totals['duplicates']} duplicates, {totals['rejected']} rejected, "

@@ -19,7 +19,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle_ray.data.formats import _tname
+from eagle_ray.data.formats import type_name
 
 _SPEC_HELP = (
     "use PATH (all samples), PATH:COUNT with an integer COUNT >= 1 (e.g. data.jsonl:1000) "
@@ -140,7 +140,7 @@ def _derive_seed(seed: int, *parts: str) -> int:
     return int.from_bytes(h[:8], "big")
 
 
-def _check_sources(sources: list[SourceSpec]) -> list[int]:
+def check_sources(sources: list[SourceSpec]) -> list[int]:
     """Validate all sources up front (so nothing is written on a bad path); return sizes."""
     if not sources:
         raise ValueError("no sources given")
@@ -149,7 +149,7 @@ def _check_sources(sources: list[SourceSpec]) -> list[int]:
     sizes = []
     for spec in sources:
         if not isinstance(spec, SourceSpec):
-            raise TypeError(f"sources must be SourceSpec objects, got {_tname(spec)}")
+            raise TypeError(f"sources must be SourceSpec objects, got {type_name(spec)}")
         p = spec.path
         try:
             st = os.stat(p)
@@ -178,7 +178,7 @@ def _check_sources(sources: list[SourceSpec]) -> list[int]:
     return sizes
 
 
-def _selection(spec: SourceSpec, n: int, seed: int) -> tuple[int, list[int] | None, int]:
+def source_selection(spec: SourceSpec, n: int, seed: int) -> tuple[int, list[int] | None, int]:
     """How many of a source's ``n`` accepted samples go into the mix, and which.
 
     Returns ``(k, chosen, derived_seed)``: ``chosen`` is the sorted positions (0..n-1) of
@@ -198,6 +198,6 @@ def _selection(spec: SourceSpec, n: int, seed: int) -> tuple[int, list[int] | No
     return k, None, derived
 
 
-def _shuffle_mix(keep: list[int], seed: int) -> None:
+def shuffle_mix(keep: list[int], seed: int) -> None:
     """Shuffle the kept samples of all sources together, in place."""
     random.Random(_derive_seed(seed, "mix")).shuffle(keep)

@@ -22,10 +22,10 @@ import json
 COUNTERS = ("lines_read", "accepted", "duplicates", "rejected", "sampled_out")
 INVARIANT = "accepted + duplicates + rejected + sampled_out == lines_read"
 
-_BOM = b"\xef\xbb\xbf"
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
-def _json_error(text: str, err: Exception) -> str:
+def json_error(text: str, err: Exception) -> str:
     """Error text for a bad line; re-parsed without the newline, which the hot path keeps
     (an unterminated string would otherwise be reported as a bad control character)."""
     if isinstance(err, RecursionError):
@@ -39,7 +39,7 @@ def _json_error(text: str, err: Exception) -> str:
     return str(err)[:200]
 
 
-def _strip_eol(b: bytes) -> bytes:
+def strip_eol(b: bytes) -> bytes:
     if b.endswith(b"\n"):
         b = b[:-1]
         if b.endswith(b"\r"):
@@ -47,7 +47,7 @@ def _strip_eol(b: bytes) -> bytes:
     return b
 
 
-def _check_invariant(name: str, c: dict[str, int]) -> None:
+def check_invariant(name: str, c: dict[str, int]) -> None:
     total = c["accepted"] + c["duplicates"] + c["rejected"] + c["sampled_out"]
     if total != c["lines_read"]:
         # Explicit raise rather than `assert`, which python -O would strip.

@@ -112,7 +112,7 @@ def offline_acceptance(run_info: dict, drafter_state: dict | None, k: int,
     ids = run_info["val_ids"][:max_samples]
     served = sampling is not None and float(sampling.get("temperature") or 0) > 0
     greedy, as_greedy, as_prob = _Tally(k), _Tally(k), _Tally(k)
-    shift = model._shift
+    shift = model.shift
     for lo in range(0, len(ids), 16):
         chunk = ids[lo:lo + 16]
         batch = collate(store, chunk)

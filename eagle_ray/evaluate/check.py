@@ -73,7 +73,8 @@ def runner_layer_ids(cfg: dict) -> dict[str, list[int] | None]:
     except ImportError:  # a vLLM that moved them: our mirror of the rules above
         return _mirror_layer_ids(cfg)
     spec = NS(draft_model_config=NS(hf_config=NS(**cfg)))  # hf_config: config.json's keys
-    ids = {"V1": GPUModelRunner._get_eagle3_aux_layers_from_config(NS(speculative_config=spec)),
+    # vLLM's own resolution code, on purpose: what the runner reads, not our reading of it.
+    ids = {"V1": GPUModelRunner._get_eagle3_aux_layers_from_config(NS(speculative_config=spec)),  # noqa: SLF001
            "V2": v2_ids(spec)}
     return {k: [int(i) for i in v] if v else None for k, v in ids.items()}
 

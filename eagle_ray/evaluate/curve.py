@@ -86,9 +86,9 @@ def fit_log2(tokens: Sequence[float], values: Sequence[float]) -> dict[str, floa
 
 def _trial(recipe: Recipe, run: str, info: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
     """One fraction's training (a Ray task; drives its own Ray Train run)."""
-    from eagle_ray.train.run import _fit
+    from eagle_ray.train.run import fit_with_ray_train
 
-    return _fit(recipe, Path(run), info, data)
+    return fit_with_ray_train(recipe, Path(run), info, data)
 
 
 def run_curve(recipe: Recipe, run_dir: str | Path, out_dir: str | Path, *,

@@ -70,7 +70,7 @@ def make_manifest(recipe: Recipe, model_dir: Path, generation: dict | None = Non
         generation=generation)
 
 
-def _check_target_shape(recipe: Recipe, model_dir: Path) -> None:
+def check_target_shape(recipe: Recipe, model_dir: Path) -> None:
     """The recipe's architecture numbers must describe the model on disk."""
     import json
 
@@ -121,7 +121,7 @@ def run_extract(recipe: Recipe, conversations: str | Path, store_dir: str | Path
 
     store = check_output_dir(store_dir, "extract")  # refused before anything is written
     model_dir = resolve_target_path(recipe.target)
-    _check_target_shape(recipe, model_dir)
+    check_target_shape(recipe, model_dir)
     manifest = make_manifest(recipe, model_dir, generation)
     # One writer per store: a second extract (or a repair, or a training run reading it)
     # refuses instead of committing the same samples twice.

@@ -138,7 +138,7 @@ class CaptureWorkerExtension:
         # one's (and read the wrong cache). Refuse that.
         connector = get_kv_transfer_group()
         if (not isinstance(connector, SyncHiddenStatesConnector)
-                or connector._storage_path != storage_path):
+                or connector._storage_path != storage_path):  # noqa: SLF001 (our subclass's base)
             raise RuntimeError("this worker's KV connector belongs to another engine: close "
                                "the other in-process VllmCapture/vLLM engine first")
         connector.final_norm = norm

@@ -185,7 +185,7 @@ def done_prompts(parts_dir: Path, parts: list[tuple[Path, pa.Table]] | None = No
     return unique_ids(prompt_ids(ids))
 
 
-def _check_params(out: Path, params: dict) -> None:
+def check_generation_params(out: Path, params: dict) -> None:
     path = out / PARAMS_FILE
     if path.exists():
         old = json.loads(path.read_text())
@@ -212,7 +212,7 @@ def run_generate(recipe: Recipe, prompts: str | Path, out_dir: str | Path, *,
     claim_output_dir(out, "generate")  # new, empty or an earlier generate output; else refused
     parts_dir.mkdir(parents=True, exist_ok=True)
     params = generation_params(recipe, model_dir)
-    _check_params(out, params)
+    check_generation_params(out, params)
 
     compact_parts(parts_dir)  # what earlier runs left as parts
     done = done_prompts(parts_dir)

@@ -120,7 +120,7 @@ class _Base:
         return pa.Table.from_pylist(rows, schema=CONVERSATIONS_SCHEMA)
 
 
-class _Regenerate(_Base):
+class Regenerate(_Base):
     """Prompt rows -> requests, and finished requests -> conversation rows; the engine that
     runs the requests is the subclass's (GenerateUDF: a vLLM engine of its own; the colocated
     stage: the capture engine, see eagle_ray/stream/colocated.py)."""
@@ -285,7 +285,7 @@ def _close_if_alive(ref) -> None:
         udf.close()
 
 
-class GenerateUDF(_Regenerate):
+class GenerateUDF(Regenerate):
     """Regenerates the final assistant turn with the target in vLLM (one engine per actor).
 
     The engine is vLLM's async engine (`AsyncLLM`, what `ray.data.llm` uses): its engine

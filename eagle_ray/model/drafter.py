@@ -536,7 +536,7 @@ class Eagle3Drafter(nn.Module):
     # -- TTT -------------------------------------------------------------------------------
 
     @staticmethod
-    def _shift(x: torch.Tensor, n: int, fill: float | bool = 0) -> torch.Tensor:
+    def shift(x: torch.Tensor, n: int, fill: float | bool = 0) -> torch.Tensor:
         """out[:, t] = x[:, t+n]; positions past the end get ``fill``."""
         if n == 0:
             return x
@@ -574,19 +574,19 @@ class Eagle3Drafter(nn.Module):
         later_caches: dict[str, list] = {name: [] for name in self.layers}  # one per layer
         out = TTTOutputs()
         for j in range(steps):
-            embeds = self._shift(emb_all, 1 + j)                            # emb(x_{t+1+j})
+            embeds = self.shift(emb_all, 1 + j)                            # emb(x_{t+1+j})
             cos, sin = self.rope(idx + j)                                   # position t+j
             h_pre = self.midlayer(embeds, hidden, cos, sin, cache, am, impl)
             for name, layer in self.layers.items():                         # same mask, own K/V
                 h_pre = layer(h_pre, cos, sin, later_caches[name], am, impl)
             logits = self.compute_logits(h_pre)                             # [B,T,N]
-            valid = self._shift(target_ok, 2 + j, False)                    # x_{t+2+j} masked in
-            teacher_p = torch.softmax(self._shift(t_logits, 1 + j), dim=-1)  # from f_{t+1+j}
+            valid = self.shift(target_ok, 2 + j, False)                    # x_{t+2+j} masked in
+            teacher_p = torch.softmax(self.shift(t_logits, 1 + j), dim=-1)  # from f_{t+1+j}
             tok_loss = -(teacher_p * torch.log_softmax(_upcast(logits), dim=-1)).sum(-1)
-            trained = valid & self._shift(in_vocab, 1 + j, False)
+            trained = valid & self.shift(in_vocab, 1 + j, False)
             tok_loss = torch.where(trained, tok_loss, torch.zeros_like(tok_loss))
             pred = tids[logits.detach().argmax(-1)]
-            correct = (pred == self._shift(t_argmax, 1 + j)) & valid
+            correct = (pred == self.shift(t_argmax, 1 + j)) & valid
             out.logits.append(logits)
             out.token_loss.append(tok_loss)
             out.valid.append(valid)

@@ -23,7 +23,7 @@ class RayConnectError(ConnectionError):
     """The Ray cluster this process would connect to does not answer."""
 
 
-def _resolve_address(address: str | None) -> tuple[str | None, str]:
+def resolve_address(address: str | None) -> tuple[str | None, str]:
     """(host:port or None to start a local Ray, where the address came from)."""
     env = os.environ.get("RAY_ADDRESS")
     if env:
@@ -73,7 +73,7 @@ def init_ray(address: str | None = None, **kwargs) -> None:
 
     if ray.is_initialized():
         return
-    resolved, source = _resolve_address(address)
+    resolved, source = resolve_address(address)
     if resolved is not None:
         timeout_s = float(os.environ.get("EAGLE_RAY_CONNECT_TIMEOUT_S", "10"))
         check_reachable(resolved, source, timeout_s)

@@ -172,7 +172,7 @@ def dir_lock(d: Path, blocking: bool) -> Iterator[bool]:
         os.close(fd)
 
 
-def _compaction_lock(root: Path, blocking: bool):
+def compaction_lock(root: Path, blocking: bool):
     return dir_lock(Path(root) / INDEX_DIR, blocking)
 
 

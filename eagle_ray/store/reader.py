@@ -14,7 +14,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -127,6 +127,24 @@ class HiddenStateStore:
     @property
     def sample_ids(self) -> list[str]:
         return self._cols["sample_id"]
+
+    def num_tokens(self, sid: str) -> int:
+        """One sample's token count (builds the id -> row map on first use)."""
+        return self._cols["num_tokens"][self._row_of[sid]]
+
+    def lengths(self, ids: Sequence[str]) -> list[int]:
+        """Each id's token count, from the index (Arrow's lookup: no id -> row map of a
+        million strings unless the store has built one already)."""
+        if ids is self.sample_ids:
+            return list(self._cols["num_tokens"])
+        if self._row_of_map is not None:
+            cols, row_of = self._cols["num_tokens"], self._row_of
+            return [cols[row_of[s]] for s in ids]
+        arr = pa.array(list(ids), pa.string())
+        rows = pc.index_in(arr, value_set=self.index.column("sample_id"))
+        if rows.null_count:
+            raise KeyError(arr.filter(rows.is_null())[0].as_py())
+        return self.index.column("num_tokens").take(rows).to_pylist()
 
     def index_table(self) -> pa.Table:
         return self.index

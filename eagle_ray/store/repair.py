@@ -121,10 +121,10 @@ def repair_store(root: str | Path, *, dry_run: bool = False) -> dict[str, Any]:
     index parts, orphan shards and temporary files. Returns what was (or would be) done."""
     root = Path(root)
     manifest = read_manifest(root)  # an unreadable manifest cannot be repaired: it says how
-    from eagle_ray.store.compact import _compaction_lock
+    from eagle_ray.store.compact import compaction_lock
 
     with store_lock(root, exclusive=True, command="eagle-ray store repair"), \
-            _compaction_lock(root, blocking=True):  # no compaction reads a part being rewritten
+            compaction_lock(root, blocking=True):  # no compaction reads a part being rewritten
         check = _row_checker(root, manifest)
         kept_ids: set[str] = set()
         referenced: set[str] = set()

@@ -35,7 +35,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from eagle_ray.generate.stage import LoggedUDF, _Regenerate
+from eagle_ray.generate.stage import LoggedUDF, Regenerate
 from eagle_ray.store.format import INDEX_SCHEMA
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def colocated_input(recipe, prompts: Path, done: pa.Array, leftover=None, *,
     return streams[0] if len(streams) == 1 else streams[0].union(streams[1])
 
 
-class ColocatedUDF(_Regenerate):
+class ColocatedUDF(Regenerate):
     """Ray Data actor: one capture engine that generates too, a parts writer, a store writer."""
 
     def __init__(self, recipe, model_path: str, parts_dir: str, store_dir: str, manifest,

@@ -49,9 +49,9 @@ def run_generate_extract(recipe: Recipe, prompts: str | Path, gen_dir: str | Pat
                          store_dir: str | Path) -> StreamResult:
     import vllm
 
-    from eagle_ray.extract.run import _check_target_shape, make_manifest
+    from eagle_ray.extract.run import check_target_shape, make_manifest
     from eagle_ray.generate.prompts import num_rows
-    from eagle_ray.generate.run import (PARTS_DIR, _check_params, consolidate, generation_params,
+    from eagle_ray.generate.run import (PARTS_DIR, check_generation_params, consolidate, generation_params,
                                         prompts_file)
     from eagle_ray.common.outputs import check_output_dir, claim_output_dir
     from eagle_ray.store.lock import store_lock
@@ -62,7 +62,7 @@ def run_generate_extract(recipe: Recipe, prompts: str | Path, gen_dir: str | Pat
     model_dir = resolve_target_path(recipe.target)
     check_output_dir(gen, "generate")
     store = check_output_dir(store_dir, "extract")  # both refused before anything is written
-    _check_target_shape(recipe, model_dir)
+    check_target_shape(recipe, model_dir)
     params = generation_params(recipe, model_dir)
     # What `eagle-ray extract` records from generate/manifest.json, so the stores are equal.
     generation = {"mode": params["mode"], "sampling": params["sampling"],
@@ -71,7 +71,7 @@ def run_generate_extract(recipe: Recipe, prompts: str | Path, gen_dir: str | Pat
     manifest = make_manifest(recipe, model_dir, generation)
     claim_output_dir(gen, "generate")
     (gen / PARTS_DIR).mkdir(parents=True, exist_ok=True)
-    _check_params(gen, params)
+    check_generation_params(gen, params)
     claim_output_dir(store, "extract")
     with store_lock(store, exclusive=True, command="eagle-ray generate-extract"):
         open_or_create(store, manifest)

@@ -78,7 +78,7 @@ def load_causal_lm(model_dir: str | Path, *, dtype: str = "float32", revision: s
 
     cfg = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
     tcfg = cfg.get_text_config()
-    model_cls = AutoModelForCausalLM._model_mapping[type(tcfg)]
+    model_cls = AutoModelForCausalLM._model_mapping[type(tcfg)]  # noqa: SLF001 (no public text-config -> class map)
     model, info = model_cls.from_pretrained(
         path, config=tcfg, dtype=torch_dtype, revision=revision,
         key_mapping={"^" + LANGUAGE_MODEL_PREFIX.replace(".", r"\."): ""},

@@ -80,21 +80,8 @@ def make_batches(lengths: Sequence[int], tokens_per_batch: int, seed: int) -> li
 
 
 def sample_lengths(store: HiddenStateStore, ids: Sequence[str]) -> list[int]:
-    """Each id's token count, from the store's index (Arrow's lookup: no id -> row map of a
-    million strings unless the store has built one already)."""
-    if ids is store.sample_ids:
-        return list(store._cols["num_tokens"])
-    if store._row_of_map is not None:
-        cols, row_of = store._cols["num_tokens"], store._row_of
-        return [cols[row_of[s]] for s in ids]
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    arr = pa.array(list(ids), pa.string())
-    rows = pc.index_in(arr, value_set=store.index.column("sample_id"))
-    if rows.null_count:
-        raise KeyError(arr.filter(rows.is_null())[0].as_py())
-    return store.index.column("num_tokens").take(rows).to_pylist()
+    """Each id's token count (`HiddenStateStore.lengths`)."""
+    return store.lengths(ids)
 
 
 def epoch_batches(lengths: Sequence[int], tokens_per_batch: int, seed: int, epoch: int) -> list[list[int]]:

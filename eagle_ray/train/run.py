@@ -188,7 +188,7 @@ def _train_on_whole_store(recipe: Recipe, store_dir: str | Path, run: Path) -> d
     check_enough_for_a_step(sample_lengths(HiddenStateStore(store_dir), info["train_ids"]),
                             tokens_per_batch=t.tokens_per_batch, seed=t.seed,
                             world=t.num_workers, accum=t.grad_accum)
-    return _fit(recipe, run, info, {"store": info["store"]})
+    return fit_with_ray_train(recipe, run, info, {"store": info["store"]})
 
 
 def prepare_run_online(recipe: Recipe, conversations: str | Path, run_dir: Path,
@@ -241,7 +241,7 @@ def _train_online(recipe: Recipe, conversations: str | Path, run: Path) -> dict[
     import ray
 
     from eagle_ray.ops.cluster import init_ray
-    from eagle_ray.extract.run import _check_target_shape
+    from eagle_ray.extract.run import check_target_shape
     from eagle_ray.extract.stage import read_windows
     from eagle_ray.train import online
     from eagle_ray.train.data import check_enough_for_a_step
@@ -259,7 +259,7 @@ def _train_online(recipe: Recipe, conversations: str | Path, run: Path) -> dict[
                             tokens_per_batch=t.tokens_per_batch, seed=t.seed,
                             world=t.num_workers, accum=t.grad_accum, what="the conversations'")
     model_dir = resolve_target_path(recipe.target)
-    _check_target_shape(recipe, model_dir)
+    check_target_shape(recipe, model_dir)
     init_ray()
     online.check_placement(recipe, ray.nodes())
     spilled0 = online.spilled_bytes()
@@ -268,7 +268,7 @@ def _train_online(recipe: Recipe, conversations: str | Path, run: Path) -> dict[
                 "prefetched per worker", recipe.extract.max_replicas, t.num_workers, depth)
     servers = online.start_servers(recipe, model_dir)
     try:
-        metrics = _fit(recipe, run, info, {"online": {
+        metrics = fit_with_ray_train(recipe, run, info, {"online": {
             "servers": servers, "conversations": info["conversations"],
             "max_seq_len": recipe.data.max_seq_len, "depth": depth}})
     finally:
@@ -284,7 +284,7 @@ def _train_online(recipe: Recipe, conversations: str | Path, run: Path) -> dict[
     return metrics
 
 
-def _fit(recipe: Recipe, run: Path, info: dict, data: dict) -> dict[str, Any]:
+def fit_with_ray_train(recipe: Recipe, run: Path, info: dict, data: dict) -> dict[str, Any]:
     """Ray Train over the run's data source (`data`: {"store": path} or {"online": {...}})."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -352,7 +352,7 @@ def _dashboard_url() -> str | None:
     try:
         import ray._private.worker
 
-        return ray._private.worker.get_dashboard_url() or None
+        return ray._private.worker.get_dashboard_url() or None  # noqa: SLF001 (no public getter; pinned Ray)
     except Exception:
         return None
 

@@ -121,3 +121,19 @@ def test_the_layering_check_sees_a_lazy_import_from_common(tmp_path, monkeypatch
     real = Path.read_text
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: src if self == tree_mod else real(self, *a, **k))
     assert "eagle_ray.store.format" in import_graph()["eagle_ray.common.errors"]
+
+
+def private_imports() -> list[str]:
+    """`from eagle_ray.X import _name` anywhere in the package: a module's private names are
+    its own (ruff lints private imports from third-party modules only)."""
+    found = []
+    for p in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("eagle_ray"):
+                found += [f"{p.relative_to(PKG.parent)}: {node.module}.{a.name}"
+                          for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_module_imports_another_modules_private_names():
+    assert private_imports() == []

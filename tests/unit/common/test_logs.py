@@ -20,7 +20,7 @@ def quiet(monkeypatch):
     monkeypatch.delenv(logs.LEVEL_ENV, raising=False)
     yield
     for h in list(logging.getLogger().handlers):
-        if getattr(h, "_eagle_ray", False):
+        if getattr(h, "eagle_ray_handler", False):
             logging.getLogger().removeHandler(h)
 
 

@@ -1,11 +1,11 @@
-"""ingest's shortcuts around the json module give json's own results: `_loads` (the C
-scanner called directly) and `_canon_encode` (the C encoder called directly)."""
+"""ingest's shortcuts around the json module give json's own results: `loads_line` (the C
+scanner called directly) and `canon_encode` (the C encoder called directly)."""
 
 import json
 
 import pytest
 
-from eagle_ray.data.formats import _canon_encode, _canon_encoder, _loads
+from eagle_ray.data.formats import canon_encode, _canon_encoder, loads_line
 
 LINES = [
     '{"messages": [{"role": "user", "content": "hi"}]}\n',
@@ -42,7 +42,7 @@ def _outcome(f, text):
 
 @pytest.mark.parametrize("text", LINES, ids=range(len(LINES)))
 def test_loads_gives_json_loads_result_or_error(text):
-    got, want = _outcome(_loads, text), _outcome(json.loads, text)
+    got, want = _outcome(loads_line, text), _outcome(json.loads, text)
     assert got == want
     if got[0] == "ok":
         assert json.dumps(got[1]) == json.dumps(want[1])  # same value, same key order
@@ -55,5 +55,5 @@ def test_loads_gives_json_loads_result_or_error(text):
     {"z": [1, 2.5, None, True], "a": {"c": "d", "b": "e"}},
 ])
 def test_canon_encode_gives_the_encoders_text(obj):
-    assert _canon_encode(obj) == _canon_encoder.encode(obj) == json.dumps(
+    assert canon_encode(obj) == _canon_encoder.encode(obj) == json.dumps(
         obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))

@@ -89,7 +89,7 @@ def _loss_floor(model, batch, steps: int) -> float:
         t_logits, _ = model.teacher(batch)
         floor = 0.0
         for j in range(steps):
-            p = torch.softmax(model._shift(t_logits, 1 + j), -1)
+            p = torch.softmax(model.shift(t_logits, 1 + j), -1)
             ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
             floor += 0.8 ** j * float((ent * out.valid[j]).sum() / out.valid[j].sum())
     return floor
