@@ -10,6 +10,7 @@ not whole-file writes and are not done here.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -18,15 +19,14 @@ from typing import Any, BinaryIO
 
 def fsync_dir(path: str | Path) -> None:
     """fsync a directory (its entries: a rename into it is durable) or a file (its bytes).
-    A file system that cannot fsync a directory keeps the renames atomic anyway."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
+    A failure is raised (a full or failing disk must not pass as written), except from a
+    file system that cannot fsync a directory at all: its renames are atomic anyway."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
     finally:
         os.close(fd)
 
