@@ -105,7 +105,7 @@ def run_curve(recipe: Recipe, run_dir: str | Path, out_dir: str | Path, *,
     from eagle_ray.targets.identity import check_same_target, recorded_target
     from eagle_ray.targets.resolve import resolve_target_path
     from eagle_ray.targets.serving import serving_profile
-    from eagle_ray.train.loop import latest_checkpoint
+    from eagle_ray.train.checkpoint import newest_loadable as latest_checkpoint
 
     run = Path(run_dir).resolve()
     if not (run / "run.json").exists():

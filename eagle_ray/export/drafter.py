@@ -70,7 +70,7 @@ def export_drafter(run_dir: str | Path, out_dir: str | Path, *, untrained: bool 
     from safetensors.torch import load_file, save_file
 
     from eagle_ray.export.vllm_layout import state_dict_for_export, vllm_config
-    from eagle_ray.train.loop import latest_checkpoint
+    from eagle_ray.train.checkpoint import newest_loadable as latest_checkpoint
 
     run = Path(run_dir)
     # Refused before any work: a file, or a directory that is not an earlier export.

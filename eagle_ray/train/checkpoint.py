@@ -10,6 +10,10 @@ the parent fsynced. A checkpoint "loads" when state.json parses and every file i
 has its recorded size and hash (checkpoints from before the hash list: when the weights
 and optimizer state deserialize). Resume and export take the newest checkpoint that
 loads, warning about each newer one skipped; `keep` prunes all but the newest N.
+
+Everything about checkpoints is here: writing one from the training workers (`save`: every
+rank its RNG state, rank 0 the rest), reading one back into them (`load`), checking and
+choosing (`validate`, `newest_loadable`), pruning.
 """
 
 from __future__ import annotations
@@ -141,3 +145,105 @@ def prune(run_dir: str | Path, keep: int, protect: Path | None = None) -> None:
     for old in checkpoints(run_dir)[keep:]:
         if protect is None or old.resolve() != protect.resolve():
             shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- writing, reading
+
+
+def disk_full(path: Path, e: BaseException, margin: int = 16 << 20) -> bool:
+    """Whether a failed write failed because the disk is full. torch.save's zip writer says
+    only "[enforce fail at inline_container.cc] unexpected pos N vs M" (no errno), so when
+    no ENOSPC/EDQUOT is in the exception chain, ask the filesystem."""
+    import errno
+
+    x, seen = e, set()
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        x = x.__cause__ or x.__context__
+    try:
+        return shutil.disk_usage(path).free < margin
+    except OSError:
+        return False
+
+
+def _disk_full_error(run_dir: Path, name: str) -> CheckpointError:
+    prev = newest_loadable(run_dir)
+    return CheckpointError(
+        f"disk full at {run_dir / 'checkpoints'} while writing checkpoint {name}; "
+        + (f"{prev.name} is intact" if prev else "no earlier checkpoint was written")
+        + "; free space and re-run to resume")
+
+
+def _save_rng(run_dir: Path, step: int, rank: int) -> None:
+    """Each rank writes its RNG states next to the checkpoint (before rank 0 renames it)."""
+    import torch
+
+    d = run_dir / "checkpoints" / f"rng-{step:07d}"
+    d.mkdir(parents=True, exist_ok=True)
+    states = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    try:
+        torch.save(states, d / f"rank{rank}.pt")
+    except Exception as e:
+        if not disk_full(d, e):
+            raise
+        raise _disk_full_error(run_dir, f"step-{step:07d}") from e
+
+
+def _write(run_dir: Path, step: int, model, opt, sched, state: dict, rng_dir: Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    final = run_dir / "checkpoints" / f"step-{step:07d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
+        torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, tmp / "optim.pt")
+        os.replace(rng_dir, tmp / "rng")
+        return commit_checkpoint(tmp, final, state)  # fsync files + dir, hashes, rename
+    except Exception as e:
+        if not disk_full(final.parent, e):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # the half-written checkpoint, never loaded
+        raise _disk_full_error(run_dir, final.name) from e
+
+
+def save(run_dir: Path, position: dict[str, int], model, opt, sched, *, rank: int, world: int,
+         barrier, keep: int = 0) -> None:
+    """A checkpoint of every rank at `position` ({"step", "epoch", "step_in_epoch"}): each
+    rank saves its RNG state, then rank 0 writes the model, optimizer and scheduler and
+    renames the whole atomically, then keeps only the newest `keep` checkpoints (0: all).
+    `barrier` synchronises the ranks (torch.distributed.barrier)."""
+    step = position["step"]
+    _save_rng(run_dir, step, rank)
+    barrier()
+    if rank == 0:
+        _write(run_dir, step, model, opt, sched, {**position, "world": world},
+               run_dir / "checkpoints" / f"rng-{step:07d}")
+        prune(run_dir, keep)
+    barrier()
+
+
+def load(ckpt: Path, model, opt, sched, *, rank: int, device, use_gpu: bool) -> dict[str, int]:
+    """Model, optimizer, scheduler and this rank's RNG state from `ckpt` (the driver chose it
+    with `newest_loadable`, the same for every rank); returns its position."""
+    import torch
+    from safetensors.torch import load_file
+
+    model.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=False)
+    o = torch.load(ckpt / "optim.pt", weights_only=True, map_location=device)
+    opt.load_state_dict(o["optimizer"])
+    sched.load_state_dict(o["scheduler"])
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    rng = ckpt / "rng" / f"rank{rank}.pt"
+    if rng.exists():
+        r = torch.load(rng, weights_only=True)
+        torch.set_rng_state(r["torch"])
+        if use_gpu and "cuda" in r:
+            torch.cuda.set_rng_state(r["cuda"])
+    return {k: state[k] for k in ("step", "epoch", "step_in_epoch")}

@@ -293,7 +293,7 @@ def fit_with_ray_train(recipe: Recipe, run: Path, info: dict, data: dict) -> dic
     from eagle_ray.common import logs
     from eagle_ray.common.errors import user_fault
     from eagle_ray.train.checkpoint import newest_loadable
-    from eagle_ray.train.loop import train_loop_per_worker
+    from eagle_ray.train.loop import WorkerConfig, train_loop_per_worker
 
     t = recipe.train
     resume = newest_loadable(run)  # skips (with a warning) checkpoints that do not load
@@ -320,12 +320,12 @@ def fit_with_ray_train(recipe: Recipe, run: Path, info: dict, data: dict) -> dic
                          f"{t.cpus_per_worker:g} CPU = {t.num_workers * t.cpus_per_worker:g} CPUs "
                          f"but the Ray cluster has {cpus:g}; lower train.num_workers or "
                          "train.cpus_per_worker, or add CPUs")
-    cfg = {"run_dir": str(run), **data, "target_dir": info["target_dir"],
-           "arch": info["arch"], "d2t": info["d2t"], "train_ids": info["train_ids"],
-           "val_ids": info["val_ids"], "resume_from": str(resume) if resume else None,
-           "init_state": (info.get("init_from") or {}).get("state"),
-           "train": {**asdict(t), "use_gpu": use_gpu, "ttt_steps": recipe.drafter.ttt_steps},
-           "threads_per_worker": max(1, int(t.cpus_per_worker))}
+    cfg = WorkerConfig(run_dir=str(run), **data, target_dir=info["target_dir"], arch=info["arch"],
+                       d2t=info["d2t"], train_ids=info["train_ids"], val_ids=info["val_ids"],
+                       resume_from=str(resume) if resume else None,
+                       init_state=(info.get("init_from") or {}).get("state"),
+                       train=t, use_gpu=use_gpu, ttt_steps=recipe.drafter.ttt_steps,
+                       threads_per_worker=max(1, int(t.cpus_per_worker)))
     resources = {"CPU": t.cpus_per_worker} | ({"GPU": 1} if use_gpu else {})
     trainer = _trainer_class()(
         train_loop_per_worker, train_loop_config=cfg,
