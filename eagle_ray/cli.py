@@ -8,9 +8,11 @@ files) print one clear line and exit 2; they never print a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 
 def _recipe(args):
@@ -25,6 +27,42 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
                    help="override a recipe field, e.g. --set storage.dtype=fp8_e4m3 (repeatable)")
 
 
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One `eagle-ray` command: its name, help, whether it takes --recipe/--set, its own
+    arguments (argparse's add_argument arguments) and its handler."""
+
+    name: str
+    help: str
+    recipe: bool
+    args: tuple
+    fn: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: list[Command] = []  # in the order `eagle-ray --help` lists them
+GROUP_HELP = {"store": "hidden-state store tools"}
+
+
+def arg(*names, **kwargs) -> tuple:
+    """One argument of a command (what `ArgumentParser.add_argument` takes)."""
+    return names, kwargs
+
+
+def command(name: str, help: str, *, recipe: bool = False, args: list[tuple] = ()):
+    """Register the decorated handler as `eagle-ray NAME` with these arguments."""
+    def register(fn):
+        COMMANDS.append(Command(name, help, recipe, tuple(args), fn))
+        return fn
+    return register
+
+
+@command("tiny-target", "build the tiny local target model + tokenizer", args=[
+    arg("out_dir"),
+    arg("--seed", type=int, default=0),
+    arg("--arch", choices=("llama", "kimi_k25"), default="llama",
+        help="llama: the tiny Llama (recipe tiny_cpu); kimi_k25: the Kimi-K2.5 twin "
+             "(multimodal wrapper, DeepSeek-V3 MLA + MoE text model; tiny_kimi_cpu)"),
+])
 def cmd_tiny_target(args) -> int:
     if args.arch == "kimi_k25":
         from eagle_ray.targets.tiny.kimi import build_tiny_kimi as build
@@ -39,6 +77,13 @@ def cmd_tiny_target(args) -> int:
     return 0
 
 
+@command("recipes", "list recipes, or print one resolved (with --set)", args=[
+    arg("name", nargs="?"),
+    arg("--set", action="append", default=[]),
+    arg("--check-target", metavar="DIR",
+        help="validate a downloaded checkpoint's config, weight index and tokenizer "
+             "against the recipe (no weights loaded); exit 1 on any mismatch"),
+])
 def cmd_recipes(args) -> int:
     from eagle_ray.recipes import RECIPES, load_recipe
 
@@ -61,6 +106,18 @@ def cmd_recipes(args) -> int:
     return 0
 
 
+@command("ingest", "validate, split, dedupe and mix conversation logs", recipe=True, args=[
+    arg("--input", action="append", required=True, metavar="PATH[:COUNT_OR_FRACTION][::LABEL]",
+        help="JSONL source; repeat to mix (data.jsonl:1000 = 1000 samples, :0.5 = half; "
+             "::personal labels it, else its file stem names it in every report)"),
+    arg("--out", required=True),
+    arg("--seed", type=int, default=0),
+    arg("--no-lengths", action="store_true",
+        help="skip token counting (stats and plan then need a later stage's table)"),
+    arg("--token-workers", type=int, default=None, metavar="N",
+        help="count tokens on N Ray tokenizer actors (default: the connected cluster's "
+             "CPUs for large inputs, else this process)"),
+])
 def cmd_ingest(args) -> int:
     from eagle_ray.data.ingest import SourceSpec, ingest
     from eagle_ray.data.tokenize import length_annotator
@@ -81,6 +138,10 @@ def cmd_ingest(args) -> int:
     return 0
 
 
+@command("stats", "token statistics of an ingested/generated/extracted table", args=[
+    arg("path"),
+    arg("--json", action="store_true"),
+])
 def cmd_stats(args) -> int:
     from eagle_ray.data.stats import compute_stats, format_stats
 
@@ -89,6 +150,11 @@ def cmd_stats(args) -> int:
     return 0
 
 
+@command("plan", "hidden-state storage and data-scale plan for a recipe", recipe=True, args=[
+    arg("--stats", help="a table or directory from ingest (sample count and lengths)"),
+    arg("--out", help="where the store will be written (default: storage.out_dir)"),
+    arg("--json", action="store_true"),
+])
 def cmd_plan(args) -> int:
     from eagle_ray.plan.budget import format_plan, plan_from_recipe, plan_from_stats
 
@@ -104,6 +170,13 @@ def cmd_plan(args) -> int:
     return 0 if plan.fits else 3
 
 
+@command("generate", "regenerate final assistant turns with the target (vLLM on Ray)", recipe=True, args=[
+    arg("--prompts", required=True, help="ingest output directory or prompts.parquet"),
+    arg("--out", required=True),
+    arg("--keep-logged", action="store_true",
+        help="keep the logged responses instead of regenerating (recorded in the manifest)"),
+    arg("--limit", type=int, help="only the first N prompts (smoke runs)"),
+])
 def cmd_generate(args) -> int:
     from eagle_ray.generate.run import run_generate
 
@@ -119,6 +192,11 @@ def cmd_generate(args) -> int:
     return 0
 
 
+@command("extract", "capture target hidden states into a store (Ray actor pool)", recipe=True, args=[
+    arg("--conversations", required=True, help="generate output dir or conversations.parquet"),
+    arg("--out", required=True, help="the hidden-state store directory"),
+    arg("--limit", type=int, help="only the first N conversations (smoke runs)"),
+])
 def cmd_extract(args) -> int:
     from eagle_ray.extract.run import run_extract
 
@@ -128,6 +206,16 @@ def cmd_extract(args) -> int:
     return 0
 
 
+@command("generate-extract", "generate and extract in one streamed Ray Data pipeline (resumable; "
+                             "same outputs as generate then extract)", recipe=True, args=[
+    arg("--prompts", required=True, help="ingest output directory or prompts.parquet"),
+    arg("--generated", required=True,
+        help="where the conversations go (the generate output directory)"),
+    arg("--out", required=True, help="the hidden-state store directory"),
+    arg("--placement", choices=("separate", "colocated"),
+        help="override the recipe's extract.placement: separate generation and "
+             "extractor pools, or one engine per replica that does both"),
+])
 def cmd_generate_extract(args) -> int:
     from eagle_ray.config import apply_overrides
     from eagle_ray.stream.separate import run_generate_extract
@@ -144,6 +232,17 @@ def cmd_generate_extract(args) -> int:
     return 0
 
 
+@command("scale", "resize a running job's pool (extract or generate) without "
+                  "restarting it; no arguments: show the pools", args=[
+    arg("stage", nargs="?", choices=("extract", "generate")),
+    arg("replicas", nargs="?", type=int, metavar="N"),
+    arg("--job", help="submission id (or Ray job id) of the job; default: the only "
+                      "eagle_ray job running"),
+    arg("--address", help="Ray cluster (GCS) address; default RAY_ADDRESS or the "
+                          "cluster this machine runs"),
+    arg("--wait", type=float, default=0.0, metavar="S",
+        help="wait up to S seconds until the pool has N running replicas"),
+])
 def cmd_scale(args) -> int:
     import time
 
@@ -170,6 +269,12 @@ def cmd_scale(args) -> int:
     return 0
 
 
+@command("train", "train the EAGLE-3 drafter with Ray Train DDP (resumes RUN_DIR)", recipe=True, args=[
+    arg("--store", help="hidden-state store (offline training)"),
+    arg("--conversations", help="generate output dir: train ONLINE, features from "
+                                "extractor actors through the object store, no store"),
+    arg("--out", required=True, help="run directory (re-run to resume)"),
+])
 def cmd_train(args) -> int:
     from eagle_ray.train.run import run_train
 
@@ -185,6 +290,12 @@ def cmd_train(args) -> int:
     return 0
 
 
+@command("export", "write a drafter directory vLLM loads (method eagle3)", args=[
+    arg("--run", required=True, help="training run directory"),
+    arg("--out", required=True, help="drafter directory"),
+    arg("--evaluation", help="an `eagle-ray evaluate` report.json of this drafter: "
+                             "serving.json then recommends the draft_sample_method it measured best"),
+])
 def cmd_export(args) -> int:
     from eagle_ray.export.drafter import export_drafter
 
@@ -196,6 +307,17 @@ def cmd_export(args) -> int:
     return 0
 
 
+@command("evaluate", "offline + online (vLLM) acceptance vs untrained and n-gram", recipe=True, args=[
+    arg("--drafter", required=True),
+    arg("--prompts", required=True, help="ingest output dir (held-out prompts are used)"),
+    arg("--out", required=True),
+    arg("--k", type=int, help="draft tokens per step (default drafter.num_speculative_tokens)"),
+    arg("--limit", type=int, help="held-out prompts to run online (default evaluate.prompts)"),
+    arg("--seeds", type=int,
+        help="seeds at the serving profile (default evaluate.seeds; 0: greedy only)"),
+    arg("--baseline-drafter", metavar="DIR",
+        help="also measure this drafter (e.g. the published one the run started from)"),
+])
 def cmd_evaluate(args) -> int:
     from eagle_ray.evaluate.run import problems, run_evaluate, summary_lines
 
@@ -209,6 +331,16 @@ def cmd_evaluate(args) -> int:
     return 1 if bad else 0
 
 
+@command("curve", "would more data help? train on nested fractions, fit acceptance "
+                  "against training tokens, extrapolate", recipe=True, args=[
+    arg("--run", required=True, help="training run directory (its store and split are used)"),
+    arg("--out", required=True),
+    arg("--fractions", help="comma-separated, e.g. 0.125,0.25,0.5,1 (default curve.fractions)"),
+    arg("--steps", type=int, help="training steps per fraction (default curve.steps or train.max_steps)"),
+    arg("--prompts", help="ingest output dir: the largest fraction also runs online as served"),
+    arg("--online-prompts", type=int, help="held-out prompts for that (default curve.online_prompts)"),
+    arg("--seed", type=int, default=0, help="the prompt order the fractions are cut from"),
+])
 def cmd_curve(args) -> int:
     from eagle_ray.evaluate.curve import run_curve
 
@@ -223,6 +355,13 @@ def cmd_curve(args) -> int:
     return 0
 
 
+@command("check", "verify serving feeds the drafter the features it was trained on", recipe=True, args=[
+    arg("--drafter", required=True),
+    arg("--store", help="the store it was trained on (omit for a drafter trained "
+                        "online: its features are captured again from its run's data)"),
+    arg("--target", help="target model directory (default: the recipe's target)"),
+    arg("--static-only", action="store_true", help="config checks only (no vLLM)"),
+])
 def cmd_check(args) -> int:
     from eagle_ray.evaluate.check import run_check
 
@@ -235,6 +374,12 @@ def cmd_check(args) -> int:
     return 0 if r.ok else 1
 
 
+@command("store verify", "check every shard against the index; non-zero exit on problems", args=[
+    arg("store"),
+    arg("--json", action="store_true"),
+    arg("--no-checksums", action="store_true",
+        help="structure and segment headers only (seconds for any size)"),
+])
 def cmd_store_verify(args) -> int:
     from eagle_ray.store.reader import verify_store
 
@@ -259,6 +404,10 @@ def cmd_store_verify(args) -> int:
     return 0 if rep["ok"] else 1
 
 
+@command("store compact", "merge the committed index parts into one index file "
+                          "(atomic; safe while writers run; stores of any age)", args=[
+    arg("store"),
+])
 def cmd_store_compact(args) -> int:
     from eagle_ray.store.compact import compact, live_index_files
 
@@ -270,6 +419,12 @@ def cmd_store_compact(args) -> int:
     return 0
 
 
+@command("store repair", "drop duplicate commits (keeping one verified copy), "
+                         "damaged samples, orphan shards and temp files", args=[
+    arg("store"),
+    arg("--dry-run", action="store_true", help="report what would be removed"),
+    arg("--json", action="store_true"),
+])
 def cmd_store_repair(args) -> int:
     from eagle_ray.store.repair import repair_store
 
@@ -291,160 +446,25 @@ def cmd_store_repair(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command in COMMANDS (each one's arguments are next to its handler)."""
     parser = argparse.ArgumentParser(prog="eagle-ray", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("tiny-target", help="build the tiny local target model + tokenizer")
-    p.add_argument("out_dir")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--arch", choices=("llama", "kimi_k25"), default="llama",
-                   help="llama: the tiny Llama (recipe tiny_cpu); kimi_k25: the Kimi-K2.5 twin "
-                        "(multimodal wrapper, DeepSeek-V3 MLA + MoE text model; tiny_kimi_cpu)")
-    p.set_defaults(fn=cmd_tiny_target)
-
-    p = sub.add_parser("recipes", help="list recipes, or print one resolved (with --set)")
-    p.add_argument("name", nargs="?")
-    p.add_argument("--set", action="append", default=[])
-    p.add_argument("--check-target", metavar="DIR",
-                   help="validate a downloaded checkpoint's config, weight index and tokenizer "
-                        "against the recipe (no weights loaded); exit 1 on any mismatch")
-    p.set_defaults(fn=cmd_recipes)
-
-    p = sub.add_parser("ingest", help="validate, split, dedupe and mix conversation logs")
-    p.add_argument("--input", action="append", required=True, metavar="PATH[:COUNT_OR_FRACTION][::LABEL]",
-                   help="JSONL source; repeat to mix (data.jsonl:1000 = 1000 samples, :0.5 = half; "
-                        "::personal labels it, else its file stem names it in every report)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-lengths", action="store_true",
-                   help="skip token counting (stats and plan then need a later stage's table)")
-    p.add_argument("--token-workers", type=int, default=None, metavar="N",
-                   help="count tokens on N Ray tokenizer actors (default: the connected cluster's "
-                        "CPUs for large inputs, else this process)")
-    _add_recipe_args(p)
-    p.set_defaults(fn=cmd_ingest)
-
-    p = sub.add_parser("generate", help="regenerate final assistant turns with the target (vLLM on Ray)")
-    _add_recipe_args(p)
-    p.add_argument("--prompts", required=True, help="ingest output directory or prompts.parquet")
-    p.add_argument("--out", required=True)
-    p.add_argument("--keep-logged", action="store_true",
-                   help="keep the logged responses instead of regenerating (recorded in the manifest)")
-    p.add_argument("--limit", type=int, help="only the first N prompts (smoke runs)")
-    p.set_defaults(fn=cmd_generate)
-
-    p = sub.add_parser("extract", help="capture target hidden states into a store (Ray actor pool)")
-    _add_recipe_args(p)
-    p.add_argument("--conversations", required=True, help="generate output dir or conversations.parquet")
-    p.add_argument("--out", required=True, help="the hidden-state store directory")
-    p.add_argument("--limit", type=int, help="only the first N conversations (smoke runs)")
-    p.set_defaults(fn=cmd_extract)
-
-    p = sub.add_parser("generate-extract",
-                       help="generate and extract in one streamed Ray Data pipeline (resumable; "
-                            "same outputs as generate then extract)")
-    _add_recipe_args(p)
-    p.add_argument("--prompts", required=True, help="ingest output directory or prompts.parquet")
-    p.add_argument("--generated", required=True,
-                   help="where the conversations go (the generate output directory)")
-    p.add_argument("--out", required=True, help="the hidden-state store directory")
-    p.add_argument("--placement", choices=("separate", "colocated"),
-                   help="override the recipe's extract.placement: separate generation and "
-                        "extractor pools, or one engine per replica that does both")
-    p.set_defaults(fn=cmd_generate_extract)
-
-    p = sub.add_parser("scale", help="resize a running job's pool (extract or generate) without "
-                                     "restarting it; no arguments: show the pools")
-    p.add_argument("stage", nargs="?", choices=("extract", "generate"))
-    p.add_argument("replicas", nargs="?", type=int, metavar="N")
-    p.add_argument("--job", help="submission id (or Ray job id) of the job; default: the only "
-                                 "eagle_ray job running")
-    p.add_argument("--address", help="Ray cluster (GCS) address; default RAY_ADDRESS or the "
-                                     "cluster this machine runs")
-    p.add_argument("--wait", type=float, default=0.0, metavar="S",
-                   help="wait up to S seconds until the pool has N running replicas")
-    p.set_defaults(fn=cmd_scale)
-
-    p = sub.add_parser("train", help="train the EAGLE-3 drafter with Ray Train DDP (resumes RUN_DIR)")
-    _add_recipe_args(p)
-    p.add_argument("--store", help="hidden-state store (offline training)")
-    p.add_argument("--conversations", help="generate output dir: train ONLINE, features from "
-                                           "extractor actors through the object store, no store")
-    p.add_argument("--out", required=True, help="run directory (re-run to resume)")
-    p.set_defaults(fn=cmd_train)
-
-    p = sub.add_parser("export", help="write a drafter directory vLLM loads (method eagle3)")
-    p.add_argument("--run", required=True, help="training run directory")
-    p.add_argument("--out", required=True, help="drafter directory")
-    p.add_argument("--evaluation", help="an `eagle-ray evaluate` report.json of this drafter: "
-                   "serving.json then recommends the draft_sample_method it measured best")
-    p.set_defaults(fn=cmd_export)
-
-    p = sub.add_parser("evaluate", help="offline + online (vLLM) acceptance vs untrained and n-gram")
-    _add_recipe_args(p)
-    p.add_argument("--drafter", required=True)
-    p.add_argument("--prompts", required=True, help="ingest output dir (held-out prompts are used)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--k", type=int, help="draft tokens per step (default drafter.num_speculative_tokens)")
-    p.add_argument("--limit", type=int, help="held-out prompts to run online (default evaluate.prompts)")
-    p.add_argument("--seeds", type=int,
-                   help="seeds at the serving profile (default evaluate.seeds; 0: greedy only)")
-    p.add_argument("--baseline-drafter", metavar="DIR",
-                   help="also measure this drafter (e.g. the published one the run started from)")
-    p.set_defaults(fn=cmd_evaluate)
-
-    p = sub.add_parser("curve", help="would more data help? train on nested fractions, fit acceptance "
-                       "against training tokens, extrapolate")
-    _add_recipe_args(p)
-    p.add_argument("--run", required=True, help="training run directory (its store and split are used)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--fractions", help="comma-separated, e.g. 0.125,0.25,0.5,1 (default curve.fractions)")
-    p.add_argument("--steps", type=int, help="training steps per fraction (default curve.steps or train.max_steps)")
-    p.add_argument("--prompts", help="ingest output dir: the largest fraction also runs online as served")
-    p.add_argument("--online-prompts", type=int, help="held-out prompts for that (default curve.online_prompts)")
-    p.add_argument("--seed", type=int, default=0, help="the prompt order the fractions are cut from")
-    p.set_defaults(fn=cmd_curve)
-
-    p = sub.add_parser("check", help="verify serving feeds the drafter the features it was trained on")
-    _add_recipe_args(p)
-    p.add_argument("--drafter", required=True)
-    p.add_argument("--store", help="the store it was trained on (omit for a drafter trained "
-                                   "online: its features are captured again from its run's data)")
-    p.add_argument("--target", help="target model directory (default: the recipe's target)")
-    p.add_argument("--static-only", action="store_true", help="config checks only (no vLLM)")
-    p.set_defaults(fn=cmd_check)
-
-    p = sub.add_parser("store", help="hidden-state store tools")
-    store_sub = p.add_subparsers(dest="store_command", required=True)
-    v = store_sub.add_parser("verify", help="check every shard against the index; non-zero exit on problems")
-    v.add_argument("store")
-    v.add_argument("--json", action="store_true")
-    v.add_argument("--no-checksums", action="store_true",
-                   help="structure and segment headers only (seconds for any size)")
-    v.set_defaults(fn=cmd_store_verify)
-    r = store_sub.add_parser("repair", help="drop duplicate commits (keeping one verified copy), "
-                             "damaged samples, orphan shards and temp files")
-    r.add_argument("store")
-    r.add_argument("--dry-run", action="store_true", help="report what would be removed")
-    r.add_argument("--json", action="store_true")
-    r.set_defaults(fn=cmd_store_repair)
-    c = store_sub.add_parser("compact", help="merge the committed index parts into one index file "
-                             "(atomic; safe while writers run; stores of any age)")
-    c.add_argument("store")
-    c.set_defaults(fn=cmd_store_compact)
-
-    p = sub.add_parser("stats", help="token statistics of an ingested/generated/extracted table")
-    p.add_argument("path")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(fn=cmd_stats)
-
-    p = sub.add_parser("plan", help="hidden-state storage and data-scale plan for a recipe")
-    _add_recipe_args(p)
-    p.add_argument("--stats", help="a table or directory from ingest (sample count and lengths)")
-    p.add_argument("--out", help="where the store will be written (default: storage.out_dir)")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(fn=cmd_plan)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for c in COMMANDS:
+        where = sub
+        if " " in c.name:  # a tool group: `eagle-ray store verify`
+            group, _, name = c.name.partition(" ")
+            if group not in groups:
+                groups[group] = sub.add_parser(group, help=GROUP_HELP[group]).add_subparsers(
+                    dest=f"{group}_command", required=True)
+            where = groups[group]
+        p = where.add_parser(c.name.rpartition(" ")[2], help=c.help)
+        if c.recipe:
+            _add_recipe_args(p)
+        for a, kw in c.args:
+            p.add_argument(*a, **kw)
+        p.set_defaults(fn=c.fn)
     return parser
 
 
