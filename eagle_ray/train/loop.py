@@ -354,6 +354,12 @@ class Trainer:
         return out
 
 
-def train_loop_per_worker(cfg: WorkerConfig) -> None:
-    """What Ray Train runs in each worker."""
-    Trainer(cfg).train()
+def loop_config(cfg: WorkerConfig) -> dict[str, Any]:
+    """`cfg` as Ray Train's train_loop_config: a dict (its state tracking, which fills the
+    dashboard's Train page, refuses anything else), one entry per field."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """What Ray Train runs in each worker (`config`: `loop_config`)."""
+    Trainer(WorkerConfig(**config)).train()

@@ -293,7 +293,7 @@ def fit_with_ray_train(recipe: Recipe, run: Path, info: dict, data: dict) -> dic
     from eagle_ray.common import logs
     from eagle_ray.common.errors import user_fault
     from eagle_ray.train.checkpoint import newest_loadable
-    from eagle_ray.train.loop import WorkerConfig, train_loop_per_worker
+    from eagle_ray.train.loop import WorkerConfig, loop_config, train_loop_per_worker
 
     t = recipe.train
     resume = newest_loadable(run)  # skips (with a warning) checkpoints that do not load
@@ -328,7 +328,7 @@ def fit_with_ray_train(recipe: Recipe, run: Path, info: dict, data: dict) -> dic
                        threads_per_worker=max(1, int(t.cpus_per_worker)))
     resources = {"CPU": t.cpus_per_worker} | ({"GPU": 1} if use_gpu else {})
     trainer = _trainer_class()(
-        train_loop_per_worker, train_loop_config=cfg,
+        train_loop_per_worker, train_loop_config=loop_config(cfg),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=t.num_workers, use_gpu=use_gpu,
                                      resources_per_worker=resources),
