@@ -1,7 +1,6 @@
 """The end-to-end job as users run it: `ray job submit` to a local head (started here, with its
 own temp dir, ports and loopback dashboard), its driver killed during extraction, submitted again:
-the store equals an uninterrupted extraction's and the job finishes with its report. (Resizing
-the extractor pool of a running job: notebook 02's test, test_notebooks.py.)"""
+the store equals an uninterrupted extraction's and the job finishes with its report."""
 
 import json
 import os
@@ -213,5 +212,88 @@ def test_job_stopped_during_extraction_resumes_to_the_same_store(head, tmp_path)
         x, y = a.get(sid_), b.get(sid_, verify=True)
         assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
         # vLLM batches differ after a resume; fp32 kernels agree to rounding
+        torch.testing.assert_close(x["aux"], y["aux"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(x["final"], y["final"], atol=1e-5, rtol=1e-5)
+
+
+SCALE_N = 2400  # enough batches (one sample each) for the pool to be resized twice mid-run
+
+
+def _cli(*args, address, timeout=180):
+    p = subprocess.run([sys.executable, "-m", "eagle_ray.cli", *args],
+                       env={**os.environ, **ENV, "RAY_ADDRESS": address},
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+def test_scale_extractors_while_the_job_runs(head, tmp_path):
+    """`eagle-ray scale extract 2`, then `1`, while the submitted job extracts: the running
+    replica is kept, the store equals an unscaled extraction's."""
+    from ray.job_submission import JobSubmissionClient
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n"
+                            for c in corpus.conversations(SCALE_N, seed=34)))
+    out = tmp_path / "run"
+    client = JobSubmissionClient(head.dashboard_url)
+    sid = f"scale-{uuid.uuid4().hex[:6]}"
+    sets = SETS + ["extract.num_cpus_per_replica=0.5", "extract.min_replicas=1",
+                   "extract.max_replicas=1"]
+    launch.submit(launch.job_args(out, sets=sets, data=[str(data)]), head.dashboard_url, sid,
+                  env_vars=ENV)
+    index = out / "store" / "index"
+    deadline = time.time() + 300
+    while time.time() < deadline and not list(index.glob("part-*.parquet")):
+        time.sleep(0.2)
+    t0 = time.time()
+    up = _cli("scale", "extract", "2", "--job", sid, "--wait", "90", address=head.gcs_address)
+    t_up = time.time() - t0
+    assert "extract: 2 running, 0 draining" in up, up
+    before = len(read_index(out / "store"))
+    t0 = time.time()
+    down = _cli("scale", "extract", "1", "--job", sid, "--wait", "90", address=head.gcs_address)
+    t_down = time.time() - t0
+    assert "extract: 1 running, 0 draining" in down, down
+    mid = len(read_index(out / "store"))
+    shown = _cli("scale", "--job", sid, address=head.gcs_address)
+    assert "desired 1" in shown, shown
+    print(f"scale up visible after {t_up:.0f}s, down after {t_down:.0f}s; "
+          f"{before} then {mid} samples committed at the two changes")
+    # Extraction must still have been running when the pool went back to 1.
+    while time.time() < deadline and "generate+extract (streamed" not in client.get_job_logs(sid):
+        time.sleep(1)
+    logs = client.get_job_logs(sid)
+    assert "generate+extract (streamed" in logs, logs[-3000:]
+    client.stop_job(sid)  # training and evaluation are test_job's business
+    launch.wait(head.dashboard_url, sid, 120)
+    n = len(read_index(out / "store"))
+    assert mid < n, "the scale-down should land before extraction ends"
+
+    assert not verify_store(out / "store")["problems"]
+    ids = read_index(out / "store").column("sample_id").to_pylist()
+    assert len(ids) == len(set(ids))  # no duplicates
+    # none lost: every conversation generated (all prompts, in keep_logged mode) is in the store
+    import pyarrow.parquet as pq
+
+    conv = pq.read_table(out / "generate" / "conversations.parquet")
+    ok = conv.filter(pc.equal(conv.column("status"), "ok"))
+    assert sorted(ok.column("sample_id").to_pylist()) == sorted(ids)
+    # Reference features: ~200 of them extracted again, uninterrupted and unscaled (the whole
+    # store again cost 100 s of CI for the same check).
+    picked = ids[:: max(1, len(ids) // 200)]
+    sub = tmp_path / "ref_conversations"
+    sub.mkdir()
+    (sub / "manifest.json").write_bytes((out / "generate" / "manifest.json").read_bytes())
+    pq.write_table(ok.filter(pc.is_in(ok.column("sample_id"), pa.array(picked, pa.string()))),
+                   sub / "conversations.parquet")
+    ref = tmp_path / "ref_store"
+    _cli("extract", "--conversations", str(sub), "--out", str(ref),
+         *[a for s in sets for a in ("--set", s)], address=head.gcs_address, timeout=900)
+    a, b = HiddenStateStore(ref), HiddenStateStore(out / "store")
+    assert sorted(a.sample_ids) == sorted(picked)
+    for sid_ in picked:
+        x, y = a.get(sid_), b.get(sid_, verify=True)
+        assert torch.equal(x["input_ids"], y["input_ids"])
         torch.testing.assert_close(x["aux"], y["aux"], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(x["final"], y["final"], atol=1e-5, rtol=1e-5)

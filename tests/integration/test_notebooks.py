@@ -148,10 +148,7 @@ def test_01_data_and_plan(tmp_path, kernel_name, tiny_target_dir):
     assert seconds < 300
 
 
-def test_02_operate_a_running_job(tmp_path, kernel_name, tiny_target_dir, ray_cluster):
-    """Notebook 02 scales the running job's extractor pool 1 -> 2 -> 1 and stops it: the pools
-    report the sizes asked for, the store holds every committed sample once, verifies, and
-    its features equal an unscaled extraction's (this is the live-scaling test)."""
+def test_02_operate_a_running_job(tmp_path, kernel_name, tiny_target_dir):
     out = tmp_path / "out"
     try:
         # 6,000 conversations: extraction must outlast both scaling steps (2,400 finished
@@ -184,36 +181,3 @@ def test_02_operate_a_running_job(tmp_path, kernel_name, tiny_target_dir, ray_cl
     ids = read_index(store).column("sample_id").to_pylist()
     assert ids and len(ids) == len(set(ids)) and not verify_store(store)["problems"]
     print(f"02: {len(ids)} samples committed before the stop")
-    _same_features_as_an_unscaled_extraction(out / "run", ids, tmp_path, ray_cluster)
-
-
-def _same_features_as_an_unscaled_extraction(run, ids, tmp_path, ray_cluster, n=16):
-    """A few committed samples extracted again, unscaled and uninterrupted, on the session's
-    Ray: the same features as the store the resized pool wrote."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-    import torch
-
-    from eagle_ray.extract.run import run_extract
-    from eagle_ray.recipes import load_recipe
-    from eagle_ray.store.reader import HiddenStateStore
-
-    picked = ids[:: max(1, len(ids) // n)]
-    conv = pq.read_table(run / "generate" / "conversations.parquet")
-    sub = tmp_path / "ref_conversations"
-    sub.mkdir()
-    (sub / "manifest.json").write_bytes((run / "generate" / "manifest.json").read_bytes())
-    pq.write_table(conv.filter(pc.is_in(conv.column("sample_id"), pa.array(picked, pa.string()))),
-                   sub / "conversations.parquet")
-    # What decides the features, as notebook 02 submits its job.
-    r = load_recipe("tiny_cpu", ["generate.mode=keep_logged", "generate.max_tokens=24",
-                                 "data.max_seq_len=96", "storage.dtype=fp32"])
-    run_extract(r, sub, tmp_path / "ref_store")
-    a, b = HiddenStateStore(tmp_path / "ref_store"), HiddenStateStore(run / "store")
-    assert sorted(a.sample_ids) == sorted(picked)
-    for sid in picked:
-        x, y = a.get(sid), b.get(sid, verify=True)
-        assert torch.equal(x["input_ids"], y["input_ids"])
-        torch.testing.assert_close(x["aux"], y["aux"], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(x["final"], y["final"], atol=1e-5, rtol=1e-5)
