@@ -119,7 +119,7 @@ def cmd_recipes(args) -> int:
              "CPUs for large inputs, else this process)"),
 ])
 def cmd_ingest(args) -> int:
-    from eagle_ray.data.ingest import SourceSpec, ingest
+    from eagle_ray.data.ingest import SourceSpec, ingest, problems, summary_line
     from eagle_ray.data.tokenize import length_annotator
 
     sources = [SourceSpec.parse(s) for s in args.input]
@@ -127,15 +127,14 @@ def cmd_ingest(args) -> int:
     res = ingest(sources, args.out, seed=args.seed, annotate=annotate)  # progress: logging
     for src, c in res.per_source.items():
         print(f"{src}: " + ", ".join(f"{k} {v:,}" for k, v in c.items()))
-    print(f"accepted {res.accepted:,} + duplicates {res.duplicates:,} + rejected {res.rejected:,} "
-          f"+ sampled out {res.sampled_out:,} = lines read {res.lines_read:,}")
+    print(summary_line(res.counts()))
     if res.reject_reasons:
         print("rejects by reason: " + ", ".join(f"{k} {v:,}" for k, v in sorted(res.reject_reasons.items())))
     print(f"wrote {res.out_dir}/prompts.parquet (rejects: {res.out_dir}/rejects.jsonl)")
-    if res.accepted == 0:
-        print("error: no sample was accepted; see rejects.jsonl", file=sys.stderr)
-        return 1
-    return 0
+    bad = problems(res.counts(), res.out_dir)
+    for p in bad:
+        print(f"error: {p}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 @command("stats", "token statistics of an ingested/generated/extracted table", args=[
@@ -185,10 +184,7 @@ def cmd_generate(args) -> int:
         from eagle_ray.config import apply_overrides
 
         recipe = apply_overrides(recipe, {"generate.mode": "keep_logged"})
-    res = run_generate(recipe, args.prompts, args.out, limit=args.limit)
-    print(f"generate: {res.generated:,} conversations, {res.rejected:,} rejected "
-          f"({res.skipped_done:,} were already done) -> {res.out_dir}/conversations.parquet "
-          f"in {res.seconds:.1f}s")
+    print(run_generate(recipe, args.prompts, args.out, limit=args.limit).summary_line())
     return 0
 
 
@@ -200,9 +196,7 @@ def cmd_generate(args) -> int:
 def cmd_extract(args) -> int:
     from eagle_ray.extract.run import run_extract
 
-    res = run_extract(_recipe(args), args.conversations, args.out, limit=args.limit)
-    print(f"extract: {res.extracted:,} samples ({res.tokens:,} tokens) written, "
-          f"{res.skipped_done:,} were already in the store -> {res.store} in {res.seconds:.1f}s")
+    print(run_extract(_recipe(args), args.conversations, args.out, limit=args.limit).summary_line())
     return 0
 
 
@@ -223,12 +217,7 @@ def cmd_generate_extract(args) -> int:
     recipe = _recipe(args)
     if args.placement:
         recipe = apply_overrides(recipe, {"extract.placement": args.placement})
-    res = run_generate_extract(recipe, args.prompts, args.generated, args.out)
-    c = res.generate_counts
-    print(f"generate+extract ({recipe.extract.placement}): {res.generated:,} prompts "
-          f"generated, {res.extracted:,} samples ({res.tokens:,} tokens) extracted this run; "
-          f"{c.get('ok', 0):,} conversations, {c.get('rejected', 0):,} rejected -> "
-          f"{args.generated}; store {args.out}; {res.seconds:.1f}s")
+    print(run_generate_extract(recipe, args.prompts, args.generated, args.out).summary_line())
     return 0
 
 
@@ -276,17 +265,13 @@ def cmd_scale(args) -> int:
     arg("--out", required=True, help="run directory (re-run to resume)"),
 ])
 def cmd_train(args) -> int:
-    from eagle_ray.train.run import run_train
+    from eagle_ray.train.run import run_train, summary_line
 
     if (args.store is None) == (args.conversations is None):
         raise ValueError("train needs exactly one of --store STORE (offline) or --conversations "
                          "GEN_DIR (online: features from extractor actors, no store)")
     m = run_train(_recipe(args), args.store, args.out, conversations=args.conversations)
-    print("train: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                for k, v in m.items() if k in ("step", "train/loss", "val/acc_step0",
-                                                               "val/acc_step1", "train/tokens_per_s",
-                                                               "online/spilled_bytes")))
-    print(f"run directory: {args.out} (checkpoints/, metrics.jsonl, tensorboard/)")
+    print(summary_line(m, args.out))
     return 0
 
 
@@ -297,13 +282,9 @@ def cmd_train(args) -> int:
                              "serving.json then recommends the draft_sample_method it measured best"),
 ])
 def cmd_export(args) -> int:
-    from eagle_ray.export.drafter import export_drafter
+    from eagle_ray.export.drafter import export_drafter, summary_line
 
-    out = export_drafter(args.run, args.out, evaluation=args.evaluation)
-    serving = json.loads((out / "serving.json").read_text())
-    print(f"export: drafter written to {out} (vLLM: speculative_config="
-          f"{json.dumps(serving['speculative_config'])}"
-          + (", draft_sample_method as measured by evaluate" if args.evaluation else "") + ")")
+    print(summary_line(export_drafter(args.run, args.out, evaluation=args.evaluation)))
     return 0
 
 
@@ -370,6 +351,7 @@ def cmd_check(args) -> int:
         print(f"{k}: {v}")
     for p in r.problems:
         print(f"FAIL {p}")
+    print(r.summary_line(args.drafter))
     print("OK: serving feeds the drafter the features it was trained on" if r.ok else "CHECK FAILED")
     return 0 if r.ok else 1
 

@@ -52,6 +52,9 @@ __all__ = [
     "DUPLICATES_FILE",
     "SAMPLED_OUT_FILE",
     "REPORT_FILE",
+    "COUNT_KEYS",
+    "summary_line",
+    "problems",
 ]
 
 
@@ -98,6 +101,27 @@ class IngestResult:
     @property
     def prompts_path(self) -> Path:
         return self.out_dir / PROMPTS_FILE
+
+    def counts(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in COUNT_KEYS}
+
+
+# The counters every ingest report carries; they add up: accepted + duplicates + rejected +
+# sampled_out = lines_read.
+COUNT_KEYS = ("lines_read", "accepted", "duplicates", "rejected", "sampled_out")
+
+
+def summary_line(counts: dict) -> str:
+    """Ingest's one line (the `eagle-ray ingest` command and the job print it)."""
+    return (f"ingest: accepted {counts['accepted']:,} + duplicates {counts['duplicates']:,} + "
+            f"rejected {counts['rejected']:,} + sampled out {counts['sampled_out']:,} = lines read "
+            f"{counts['lines_read']:,}")
+
+
+def problems(counts: dict, out_dir: str | Path) -> list[str]:
+    """What makes an ingest unusable (the command exits 1, the job stops)."""
+    return ([f"no sample was accepted; see {Path(out_dir) / REJECTS_FILE}"]
+            if counts["accepted"] == 0 else [])
 
     @property
     def report_path(self) -> Path:

@@ -45,6 +45,16 @@ class CheckResult:
         self.ok = False
         self.problems.append(msg)
 
+    def summary_line(self, drafter: str | Path) -> str:
+        """`eagle-ray check`'s verdict, and the job's."""
+        if not self.ok:
+            return f"check: FAILED for {drafter}: " + "; ".join(self.problems)
+        d = self.details
+        if "max_abs_diff" not in d:
+            return f"check: OK (static checks only): {drafter}'s config agrees with its training"
+        return (f"check: OK: {drafter} loads in vLLM and receives the trained features "
+                f"(max |diff| {d['max_abs_diff']:.3g} over {d['tokens_compared']} tokens)")
+
 
 RUNNERS = ("V1", "V2")
 RUNNER_NAMES = {"V1": "vLLM model runner V1 (CPU build, older CUDA path)",

@@ -160,6 +160,17 @@ def with_measured_recommendation(serving: dict[str, Any], report_path: str | Pat
         "sampling": served["sampling"], "seeds": served["seeds"], "device": report.get("device")}}
 
 
+def summary_line(drafter_dir: str | Path) -> str:
+    """Export's one line (`eagle-ray export` and the job): where the drafter is and the
+    speculative_config its serving.json gives vLLM (as measured, once evaluate has run)."""
+    import json
+
+    serving = json.loads((Path(drafter_dir) / "serving.json").read_text())
+    return (f"export: drafter written to {drafter_dir} (vLLM: speculative_config="
+            f"{json.dumps(serving['speculative_config'])}"
+            + (", draft_sample_method as measured by evaluate" if "measured" in serving else "") + ")")
+
+
 def read_drafter_config(drafter_dir: str | Path) -> dict[str, Any]:
     path = Path(drafter_dir) / "config.json"
     if not path.exists():

@@ -46,6 +46,11 @@ class ExtractResult:
     tokens: int
     seconds: float
 
+    def summary_line(self) -> str:
+        """`eagle-ray extract`'s line."""
+        return (f"extract: {self.extracted:,} samples ({self.tokens:,} tokens) written, "
+                f"{self.skipped_done:,} were already in the store -> {self.store} in {self.seconds:.1f}s")
+
 
 def generation_provenance(gen_dir: Path) -> dict | None:
     """What a store records of the conversations it was extracted from (the generate

@@ -56,6 +56,12 @@ class GenerateResult:
     completion_tokens: int
     seconds: float
 
+    def summary_line(self) -> str:
+        """`eagle-ray generate`'s line, and the online job's."""
+        return (f"generate: {self.generated:,} conversations, {self.rejected:,} rejected "
+                f"({self.skipped_done:,} were already done) -> {self.out_dir}/conversations.parquet "
+                f"in {self.seconds:.1f}s")
+
 
 def prompts_file(prompts: str | Path) -> Path:
     """The ingest output to generate from (its schema checked; no row read)."""

@@ -16,7 +16,13 @@ output is already complete, so a failed or stopped job resumes when it is submit
   export    drafter/ exported from that checkpoint                 export (atomic swap)
   check     check.json (ok) for that drafter                       check
   evaluate  evaluate/report.json for that drafter                  evaluate
+  serving   drafter/serving.json holds evaluate's measured choice  export it again with it
   (stats and plan are recomputed every time: seconds.)
+
+The table is OFFLINE_STEPS below (ONLINE_STEPS: generate alone, no store); one loop in
+run_end_to_end times each step, skips it when it is complete and no earlier step did work
+this time, prints its one-line summary (the same function its CLI command prints) and its
+problems, and records what ran.
 
 A different recipe or data set needs a new --out: generate and the store refuse mixing.
 OUT/summary.json (status "finished") is written last.
@@ -28,7 +34,9 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 from eagle_ray.config import Recipe
 from eagle_ray.targets.resolve import resolve_target_path
@@ -67,168 +75,304 @@ def _last_metrics(run_dir: Path) -> dict:
     return json.loads(lines[-1]) if lines else {}
 
 
-def _skip(step: str, where: Path) -> None:
-    print(f"{step}: complete in {where}, skipped")
+@dataclass
+class Job:
+    """What the steps share: the recipe, OUT/, the mode, and what each step found or made."""
+
+    recipe: Recipe
+    inputs: list[str]
+    out: Path
+    online: bool
+    found: dict[str, Any] = field(default_factory=dict)  # step name -> its result
+
+    def path(self, name: str) -> Path:
+        return self.out / name
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the job. `done(job)`: its output is complete (asked only when no earlier
+    step ran this time, since new upstream output makes everything downstream stale; a step
+    that resumes by itself says False and lets `run` find nothing to do); `run(job)` does the
+    work and says whether there was any; `line(job)` is its one-line summary, printed whether
+    it ran or was skipped; `problems(job)`: what is wrong with its result, which stops the
+    job when `fatal` and is printed to stderr otherwise; `where`: its outputs under OUT/."""
+
+    name: str
+    where: tuple[str, ...]
+    done: Callable[[Job], bool]
+    run: Callable[[Job], bool]
+    line: Callable[[Job], str]
+    problems: Callable[[Job], list[str]] = lambda job: []
+    fatal: bool = True
+
+
+# -- ingest -----------------------------------------------------------------------------------
+
+def _ingest_done(job: Job) -> bool:
+    job.found["ingest"] = _json(job.path("ingest") / "report.json")
+    return job.found["ingest"] is not None
+
+
+def _ingest_run(job: Job) -> bool:
+    from eagle_ray.data.ingest import SourceSpec, ingest
+    from eagle_ray.data.tokenize import length_annotator
+
+    res = ingest([SourceSpec.parse(s) for s in job.inputs], job.path("ingest"), seed=job.recipe.data.seed,
+                 annotate=length_annotator(job.recipe))
+    job.found["ingest"] = res.counts()
+    return True
+
+
+def _ingest_line(job: Job) -> str:
+    from eagle_ray.data.ingest import summary_line
+
+    return summary_line(job.found["ingest"])
+
+
+def _ingest_problems(job: Job) -> list[str]:
+    from eagle_ray.data.ingest import problems
+
+    return problems(job.found["ingest"], job.path("ingest"))
+
+
+def _plan_run(job: Job) -> bool:
+    from eagle_ray.data.stats import compute_stats, token_lengths
+    from eagle_ray.plan.budget import plan_from_stats
+
+    job.found["stats"] = stats = compute_stats(job.path("ingest"))
+    job.found["plan"] = plan_from_stats(job.recipe, stats, token_lengths(job.path("ingest")).to_numpy(),
+                                        out_dir=job.path("store"))
+    return False  # seconds, every time; nothing downstream depends on it having run
+
+
+def _plan_line(job: Job) -> str:
+    from eagle_ray.data.stats import format_stats
+    from eagle_ray.plan.budget import format_plan
+
+    return format_stats(job.found["stats"]) + "\n" + format_plan(job.found["plan"])
+
+
+# -- generate + extract (streamed), or generate alone (online) --------------------------------
+
+def _stream_run(job: Job) -> bool:
+    from eagle_ray.store.reader import verify_store
+    from eagle_ray.stream.separate import run_generate_extract
+
+    # One Ray Data pipeline: separate generation and extractor pools, or one colocated engine
+    # per replica for a target that takes the whole node (the recipe's extract.placement).
+    # It resumes per sample and starts no Ray work when nothing is left.
+    res = run_generate_extract(job.recipe, job.path("ingest"), job.path("generate"), job.path("store"))
+    job.found["generate+extract"] = res
+    job.found["store_verify"] = verify_store(job.path("store"))
+    return bool(res.generated or res.extracted)
+
+
+def _stream_line(job: Job) -> str:
+    return job.found["generate+extract"].summary_line(job.found["store_verify"])
+
+
+def _generate_run(job: Job) -> bool:
+    from eagle_ray.generate.run import run_generate
+
+    if job.path("store").exists():
+        raise ValueError(f"{job.out} holds a store from an offline run; use a new --out for --online")
+    res = run_generate(job.recipe, job.path("ingest"), job.path("generate"))
+    job.found["generate"] = res
+    return res.prompts - res.skipped_done > 0  # this run's work (none on a resubmitted job)
+
+
+def _generate_line(job: Job) -> str:
+    return (job.found["generate"].summary_line()
+            + "; no store: online training extracts as it trains")
+
+
+# -- train, export, check, evaluate, serving --------------------------------------------------
+
+def _train_done(job: Job) -> bool:
+    if train_complete(job.path("train"), job.recipe.train.max_steps) is None:
+        return False
+    job.found["train"] = _last_metrics(job.path("train"))
+    return True
+
+
+def _train_run(job: Job) -> bool:
+    from eagle_ray.train.run import run_train
+
+    job.found["train"] = (run_train(job.recipe, None, job.path("train"), conversations=job.path("generate"))
+                          if job.online else run_train(job.recipe, job.path("store"), job.path("train")))
+    return True
+
+
+def _train_line(job: Job) -> str:
+    from eagle_ray.train.run import summary_line
+
+    return summary_line(job.found["train"], job.path("train"))
+
+
+def _export_run(job: Job) -> bool:
+    from eagle_ray.export.drafter import export_drafter
+
+    export_drafter(job.path("train"), job.path("drafter"))
+    return True
+
+
+def _export_line(job: Job) -> str:
+    from eagle_ray.export.drafter import summary_line
+
+    return summary_line(job.path("drafter"))
+
+
+def _check_done(job: Job) -> bool:
+    from eagle_ray.evaluate.check import CheckResult
+
+    details = _json(job.path(CHECK_FILE)) or {}
+    job.found["check"] = CheckResult(ok=True, details={k: v for k, v in details.items() if k != "ok"})
+    return bool(details.get("ok"))
+
+
+def _check_run(job: Job) -> bool:
+    from eagle_ray.evaluate.check import run_check
+
+    chk = run_check(job.recipe, job.path("drafter"), None if job.online else job.path("store"))
+    job.found["check"] = chk
+    if chk.ok:  # a failed check is done again on the next submission
+        atomic_write_json(job.path(CHECK_FILE), {"ok": True, **chk.details})
+    return True
+
+
+def _check_line(job: Job) -> str:
+    return job.found["check"].summary_line(job.path("drafter"))
+
+
+def _evaluate_done(job: Job) -> bool:
+    job.found["evaluate"] = _json(job.path("evaluate") / "report.json")
+    return job.found["evaluate"] is not None
+
+
+def _evaluate_run(job: Job) -> bool:
+    from eagle_ray.evaluate.run import run_evaluate
+
+    # A run started from a published drafter is judged against it too.
+    job.found["evaluate"] = run_evaluate(job.recipe, job.path("drafter"), job.path("ingest"), job.path("evaluate"),
+                                         baseline_drafter=job.recipe.train.init_from or None)
+    return True
+
+
+def _evaluate_line(job: Job) -> str:
+    from eagle_ray.evaluate.run import summary_lines
+
+    return "\n".join(summary_lines(job.found["evaluate"], job.path("evaluate")))
+
+
+def _evaluate_problems(job: Job) -> list[str]:
+    from eagle_ray.evaluate.run import problems
+
+    # The same judgement `eagle-ray evaluate` exits 1 on; the job finishes and says it.
+    return [f"{p}; see {job.path('evaluate') / 'report.md'}" for p in problems(job.found["evaluate"])]
+
+
+def _serving_done(job: Job) -> bool:
+    return "measured" in (_json(job.path("drafter") / "serving.json") or {})
+
+
+def _serving_run(job: Job) -> bool:
+    from eagle_ray.export.drafter import export_drafter
+
+    # serving.json recommends what evaluate measured best at the serving profile.
+    export_drafter(job.path("train"), job.path("drafter"), evaluation=job.path("evaluate") / "report.json")
+    return True
+
+
+def _never(job: Job) -> bool:
+    return False
+
+
+OFFLINE_STEPS = [
+    Step("ingest", ("ingest",), _ingest_done, _ingest_run, _ingest_line, _ingest_problems),
+    Step("plan", (), _never, _plan_run, _plan_line),
+    Step("generate+extract", ("generate", "store"), _never, _stream_run, _stream_line),
+    Step("train", ("train",), _train_done, _train_run, _train_line),
+    Step("export", ("drafter",), lambda job: (job.path("drafter") / "config.json").exists(), _export_run,
+         _export_line),
+    Step("check", (CHECK_FILE,), _check_done, _check_run, _check_line, lambda job: job.found["check"].problems),
+    Step("evaluate", ("evaluate",), _evaluate_done, _evaluate_run, _evaluate_line, _evaluate_problems,
+         fatal=False),
+    Step("serving", ("drafter/serving.json",), _serving_done, _serving_run, _export_line),
+]
+ONLINE_STEPS = [Step("generate", ("generate",), _never, _generate_run, _generate_line)
+                if s.name == "generate+extract" else s for s in OFFLINE_STEPS]
 
 
 def run_end_to_end(recipe: Recipe, inputs: list[str], out_dir: str | Path, *,
                    online: bool = False) -> dict:
-    """The steps above. `online`: no store: generate, then train with features streamed from
-    extractor actors (train/online.py); check captures its reference features again."""
-    from eagle_ray.data.ingest import SourceSpec, ingest
-    from eagle_ray.data.stats import compute_stats, format_stats, token_lengths
-    from eagle_ray.data.tokenize import length_annotator
-    from eagle_ray.plan.budget import format_plan, plan_from_stats
-
-    out = Path(out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    timings: dict[str, float] = {}
-    ran: list[str] = []
-
+    """The steps above, in one loop that times, skips and records them. `online`: no store:
+    generate, then train with features streamed from extractor actors (train/online.py);
+    check captures its reference features again."""
+    job = Job(recipe, list(inputs), Path(out_dir).resolve(), online)
+    job.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     target_dir = resolve_target_path(recipe.target)
-    timings["target"] = time.time() - t0
+    timings = {"target": time.time() - t0}
     logger.info("target: %s", target_dir)
-
-    t0 = time.time()
-    report = _json(out / "ingest" / "report.json")
-    if report is None:
-        ingest([SourceSpec.parse(s) for s in inputs], out / "ingest", seed=recipe.data.seed,
-               annotate=length_annotator(recipe))
-        report = _json(out / "ingest" / "report.json")
-        ran.append("ingest")
-    else:
-        _skip("ingest", out / "ingest")
-    timings["ingest"] = time.time() - t0
-    counts = {k: report[k] for k in ("lines_read", "accepted", "duplicates", "rejected", "sampled_out")}
-    print(f"ingest: accepted {counts['accepted']:,} + duplicates {counts['duplicates']:,} + rejected "
-          f"{counts['rejected']:,} + sampled out {counts['sampled_out']:,} = lines read "
-          f"{counts['lines_read']:,}")
-    if counts["accepted"] == 0:
-        raise ValueError("no sample was accepted; see " + str(out / "ingest" / "rejects.jsonl"))
-
-    stats = compute_stats(out / "ingest")
-    print(format_stats(stats))
-    plan = plan_from_stats(recipe, stats, token_lengths(out / "ingest").to_numpy(),
-                           out_dir=out / "store")
-    print(format_plan(plan))
-
-    from eagle_ray.store.reader import committed_ids, verify_store
-    from eagle_ray.stream.separate import run_generate_extract
-
-    t0 = time.time()
-    if online:
-        from eagle_ray.generate.run import run_generate
-
-        if (out / "store").exists():
-            raise ValueError(f"{out} holds a store from an offline run; use a new --out for --online")
-        g = run_generate(recipe, out / "ingest", out / "generate")
-        n_gen = g.prompts - g.skipped_done  # this run's work (0 on a resubmitted job)
-        n_ext = n_tok = before = 0
-        mode = "generate only: online training extracts as it trains"
-        check = {"ok": True, "samples": 0, "shards": 0, "problems": [], "online": True}
-        if n_gen:
-            ran.append("generate")
-    else:
-        before = len(committed_ids(out / "store")) if (out / "store" / "manifest.json").exists() else 0
-        # Streamed: one Ray Data pipeline; separate generation and extractor pools, or one
-        # colocated engine per replica for a target that takes the whole node (the recipe's
-        # extract.placement). Both resume per sample and start no Ray work when nothing is left.
-        st = run_generate_extract(recipe, out / "ingest", out / "generate", out / "store")
-        n_gen, n_ext, n_tok = st.generated, st.extracted, st.tokens
-        mode = f"streamed, {recipe.extract.placement}"
-        check = verify_store(out / "store")
-        if n_gen or n_ext:
-            ran.append("generate+extract")
-    # One wall time for both steps when streamed.
-    timings["generate"] = timings["extract"] = timings["generate_extract"] = time.time() - t0
-    gen_counts = (_json(out / "generate" / "manifest.json") or {}).get("counts", {})
-    if not (n_gen or n_ext):
-        _skip("generate", out / "generate")
-        if not online:
-            _skip("extract", out / "store")
-    store_line = ("no store (online)" if online else
-                  f"store verify: {check['samples']:,} samples in {check['shards']:,} shards, "
-                  f"{'OK' if check['ok'] else 'PROBLEMS: ' + str((check['problems'] + check['orphans'])[:3])}")
-    print(f"generate+extract ({mode}): {n_gen:,} prompts generated, {n_ext:,} samples "
-          f"({n_tok:,} tokens) extracted this run ({before:,} already in the store); "
-          f"{gen_counts.get('ok', 0):,} conversations, {gen_counts.get('rejected', 0):,} rejected "
-          f"-> {out / 'generate'}; {store_line}")
-    gen_stats = compute_stats(out / "generate")
-    print(format_stats(gen_stats))
-
-    from eagle_ray.train.run import run_train
-
-    t0 = time.time()
-    if not ran and train_complete(out / "train", recipe.train.max_steps) is not None:
-        _skip("train", out / "train")
-        train = _last_metrics(out / "train")
-    else:
-        train = (run_train(recipe, None, out / "train", conversations=out / "generate") if online
-                 else run_train(recipe, out / "store", out / "train"))
-        ran.append("train")
-    timings["train"] = time.time() - t0
-    print(f"train: step {train.get('step')}, held-out step-0 accuracy "
-          f"{train.get('val/acc_step0', float('nan')):.3f}, step-1 "
-          f"{train.get('val/acc_step1', float('nan')):.3f} -> {out / 'train'}")
-
-    from eagle_ray.evaluate.check import run_check
-    from eagle_ray.evaluate.run import run_evaluate
-    from eagle_ray.export.drafter import export_drafter
-
-    t0 = time.time()
-    drafter = out / "drafter"
-    if not ran and (drafter / "config.json").exists():
-        _skip("export", drafter)
-    else:
-        drafter = export_drafter(out / "train", drafter)
-        ran.append("export")
-    chk_details = (_json(out / CHECK_FILE) or {}) if not ran else {}
-    if chk_details.get("ok"):
-        _skip("check", out / CHECK_FILE)
-    else:
-        chk = run_check(recipe, drafter, None if online else out / "store")
-        if not chk.ok:
-            raise ValueError("check failed: " + "; ".join(chk.problems))
-        chk_details = {"ok": True, **chk.details}
-        atomic_write_json(out / CHECK_FILE, chk_details)
-        ran.append("check")
-    print(f"export + check: {drafter} loads in vLLM and receives the trained features "
-          f"(max |diff| {chk_details['max_abs_diff']:.3g} over {chk_details['tokens_compared']} tokens)")
-    ev = _json(out / "evaluate" / "report.json") if not ran else None
-    if ev is not None:
-        _skip("evaluate", out / "evaluate")
-    else:
-        # A run started from a published drafter is judged against it too.
-        ev = run_evaluate(recipe, drafter, out / "ingest", out / "evaluate",
-                          baseline_drafter=recipe.train.init_from or None)
-        ran.append("evaluate")
-    if "measured" not in (_json(drafter / "serving.json") or {}):
-        # serving.json recommends what evaluate measured best at the serving profile.
-        drafter = export_drafter(out / "train", drafter, evaluation=out / "evaluate" / "report.json")
-    timings["export_check_evaluate"] = time.time() - t0
-    from eagle_ray.evaluate.run import problems, summary_lines
-
-    print("\n".join(summary_lines(ev, out / "evaluate")))
-    for p in problems(ev):  # the same judgement `eagle-ray evaluate` exits 1 on
-        print(f"evaluate: problem: {p}; see {out / 'evaluate' / 'report.md'}", file=sys.stderr)
-
-    summary = {"status": "finished", "steps_run": ran,
-               "recipe": recipe.to_dict(), "target_dir": str(target_dir),
-               "ingest": counts, "stats": stats, "plan": plan.to_dict(),
-               "generate": {"generated": gen_counts.get("ok"), "rejected": gen_counts.get("rejected"),
-                            "pending": gen_counts.get("pending")},
-               "generate_stats": gen_stats,
-               # this run's work (0 when the store was already complete) and the store's size
-               "extract": {"extracted": n_ext, "tokens": n_tok,
-                           "samples": check["samples"]},
-               "store_verify": check, "train": train, "check": chk_details,
-               "evaluate": {k: ev.get(k) for k in ("headline", "offline", "online", "untrained", "ngram",
-                                                   "baseline_drafter", "outputs_identical", "as_served")},
-               "timings_s": timings}
-    atomic_write_json(out / SUMMARY_FILE, json.loads(json.dumps(summary, default=str)))
-    print(summary_text(out, timings, ran))
+    ran = run_steps(job, ONLINE_STEPS if online else OFFLINE_STEPS, timings)
+    # The summary's timing groups (the streamed steps share one wall time).
+    timings["generate"] = timings["extract"] = timings["generate_extract"] = timings.get(
+        "generate+extract", timings.get("generate", 0.0))
+    timings["export_check_evaluate"] = sum(timings[k] for k in ("export", "check", "evaluate", "serving"))
+    summary = _summary(job, target_dir, ran, timings)
+    atomic_write_json(job.out / SUMMARY_FILE, json.loads(json.dumps(summary, default=str)))
+    print(summary_text(job.out, timings, ran))
     return summary
+
+
+def run_steps(job: Job, steps: list[Step], timings: dict[str, float]) -> list[str]:
+    """The loop: each step skipped (complete, nothing upstream ran) or run, timed into
+    `timings`, its line printed, its problems raised (fatal) or printed; the names of the
+    steps that did work are returned in order."""
+    ran: list[str] = []
+    for step in steps:
+        t0 = time.time()
+        where = " and ".join(str(job.out / w) for w in step.where)
+        if not ran and step.done(job):
+            print(f"{step.name}: complete in {where}, skipped")
+        elif step.run(job):
+            ran.append(step.name)
+        elif where:
+            print(f"{step.name}: complete in {where}, nothing left to do")
+        timings[step.name] = time.time() - t0
+        print(step.line(job))
+        bad = step.problems(job)
+        if bad and step.fatal:
+            raise ValueError(f"{step.name} failed: " + "; ".join(bad))
+        for p in bad:
+            print(f"{step.name}: problem: {p}", file=sys.stderr)
+    return ran
+
+
+def _summary(job: Job, target_dir: Path, ran: list[str], timings: dict[str, float]) -> dict:
+    from eagle_ray.data.stats import compute_stats
+
+    f, out = job.found, job.out
+    gen_counts = (_json(out / "generate" / "manifest.json") or {}).get("counts", {})
+    st = f.get("generate+extract")
+    check = f.get("store_verify") or {"ok": True, "samples": 0, "shards": 0, "problems": [], "online": True}
+    ev = f["evaluate"]
+    return {"status": "finished", "steps_run": ran,
+            "recipe": job.recipe.to_dict(), "target_dir": str(target_dir),
+            "ingest": {k: f["ingest"][k] for k in ("lines_read", "accepted", "duplicates", "rejected",
+                                                   "sampled_out")},
+            "stats": f["stats"], "plan": f["plan"].to_dict(),
+            "generate": {"generated": gen_counts.get("ok"), "rejected": gen_counts.get("rejected"),
+                         "pending": gen_counts.get("pending")},
+            "generate_stats": compute_stats(out / "generate"),
+            # this run's work (0 when the store was already complete) and the store's size
+            "extract": {"extracted": st.extracted if st else 0, "tokens": st.tokens if st else 0,
+                        "samples": check["samples"]},
+            "store_verify": check, "train": f["train"], "check": {"ok": True, **f["check"].details},
+            "evaluate": {k: ev.get(k) for k in ("headline", "offline", "online", "untrained", "ngram",
+                                                "baseline_drafter", "outputs_identical", "as_served")},
+            "timings_s": timings}
 
 
 def summary_text(out: Path, timings: dict[str, float], ran: list[str]) -> str:

@@ -43,6 +43,24 @@ class StreamResult:
     tokens: int             # extracted this run
     generate_counts: dict   # consolidated generate/ counts (whole output)
     seconds: float
+    placement: str = "separate"
+    already: int = 0        # samples the store held when this run started
+    gen_dir: Path | None = None
+    store: Path | None = None
+
+    def summary_line(self, verify: dict | None = None) -> str:
+        """The streamed step's line (`eagle-ray generate-extract` and the job); `verify`: a
+        `verify_store` report of the store, said in the same line."""
+        c = self.generate_counts
+        line = (f"generate+extract (streamed, {self.placement}): {self.generated:,} prompts generated, "
+                f"{self.extracted:,} samples ({self.tokens:,} tokens) extracted this run "
+                f"({self.already:,} already in the store); {c.get('ok', 0):,} conversations, "
+                f"{c.get('rejected', 0):,} rejected -> {self.gen_dir}; store {self.store}")
+        if verify is not None:
+            line += (f"; store verify: {verify['samples']:,} samples in {verify['shards']:,} shards, "
+                     + ("OK" if verify["ok"] else
+                        "PROBLEMS: " + str((verify["problems"] + verify["orphans"])[:3])))
+        return line + f"; {self.seconds:.1f}s"
 
 
 def run_generate_extract(recipe: Recipe, prompts: str | Path, gen_dir: str | Path,
@@ -76,14 +94,16 @@ def run_generate_extract(recipe: Recipe, prompts: str | Path, gen_dir: str | Pat
     with store_lock(store, exclusive=True, command="eagle-ray generate-extract"):
         open_or_create(store, manifest)
         sweep_interrupted(store)  # what a killed run left uncommitted
-        n_gen, n_ext, n_tok = _stream(recipe, file, gen / PARTS_DIR, store, model_dir, manifest)
+        n_gen, n_ext, n_tok, before = _stream(recipe, file, gen / PARTS_DIR, store, model_dir, manifest)
     counts = consolidate(gen, file, params)
     return StreamResult(prompts=num_rows(file), generated=n_gen, extracted=n_ext, tokens=n_tok,
-                        generate_counts=counts, seconds=time.time() - t0)
+                        generate_counts=counts, seconds=time.time() - t0,
+                        placement=recipe.extract.placement, already=before, gen_dir=gen, store=store)
 
 
 def _stream(recipe: Recipe, prompts: Path, parts_dir: Path, store: Path, model_dir: Path,
-            manifest) -> tuple[int, int, int]:
+            manifest) -> tuple[int, int, int, int]:
+    """(prompts generated, samples extracted, tokens extracted, samples committed before)."""
     import ray
     from ray.data._internal.execution.interfaces.execution_options import ExecutionResources
 
@@ -118,7 +138,7 @@ def _stream(recipe: Recipe, prompts: Path, parts_dir: Path, store: Path, model_d
     logger.info("generate+extract: %d prompts; %d to generate, %d generated but not committed, "
                 "%d committed already", total, n_todo, n_left, len(committed))
     if n_todo == 0 and n_left == 0:
-        return 0, 0, 0
+        return 0, 0, 0, len(committed)
     colocated = recipe.extract.placement == "colocated"
     if colocated:
         from eagle_ray.stream.colocated import colocated_dataset, colocated_input, generated_rows
@@ -168,4 +188,4 @@ def _stream(recipe: Recipe, prompts: Path, parts_dir: Path, store: Path, model_d
     prog.close()
     compact_parts(parts_dir, blocking=False)
     n_gen = len(done_prompts(parts_dir)) - len(generated)
-    return n_gen, n_ext, n_tok
+    return n_gen, n_ext, n_tok, len(committed)

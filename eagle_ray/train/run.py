@@ -26,6 +26,22 @@ from eagle_ray.common.provenance import provenance
 logger = logging.getLogger(__name__)
 
 
+SUMMARY_METRICS = (("train/loss", "loss"), ("val/acc_step0", "held-out step-0 accuracy"),
+                   ("val/acc_step1", "step-1"), ("train/tokens_per_s", "tokens/s"),
+                   ("online/spilled_bytes", "spilled bytes"))
+
+
+def summary_line(metrics: dict[str, Any], run_dir: str | Path) -> str:
+    """Training's one line (`eagle-ray train` and the job): the last report's step, loss,
+    held-out accuracy at draft steps 0 and 1, throughput."""
+    def fmt(v):
+        return f"{v:.4g}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
+
+    parts = [f"step {metrics.get('step')}"] + [f"{name} {fmt(metrics[k])}" for k, name in SUMMARY_METRICS
+                                                if k in metrics]
+    return f"train: {', '.join(parts)} -> {run_dir} (checkpoints/, metrics.jsonl, tensorboard/)"
+
+
 def drafter_arch(recipe: Recipe, target_dir: Path):
     from eagle_ray.model.drafter import drafter_arch_from_target_config
 

@@ -119,7 +119,8 @@ def test_online_job_end_to_end_and_resubmitted(tmp_path, ray_cluster):
     out = tmp_path / "run"
     data = small_sample_data(150, 100)
     s = run_end_to_end(r, data, out, online=True)
-    assert s["steps_run"] == ["ingest", "generate", "train", "export", "check", "evaluate"], s["steps_run"]
+    assert s["steps_run"] == ["ingest", "generate", "train", "export", "check", "evaluate", "serving"], \
+        s["steps_run"]
     assert s["store_verify"]["online"] and not (out / "store").exists()
     from safetensors import safe_open
 
