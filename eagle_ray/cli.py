@@ -83,10 +83,25 @@ def cmd_tiny_target(args) -> int:
     arg("--check-target", metavar="DIR",
         help="validate a downloaded checkpoint's config, weight index and tokenizer "
              "against the recipe (no weights loaded); exit 1 on any mismatch"),
+    arg("--from-target", metavar="DIR",
+        help="print the recipe derived from a checkpoint directory (what `--recipe DIR` "
+             "runs with), checked against it"),
 ])
 def cmd_recipes(args) -> int:
     from eagle_ray.recipes import RECIPES, load_recipe
 
+    if args.from_target:
+        from eagle_ray.targets.check import check_target_dir
+
+        recipe = load_recipe("auto", [f"target.path={args.from_target}", *args.set])
+        print(recipe.to_json())
+        problems = check_target_dir(recipe, args.from_target)
+        for p in problems:
+            print(f"MISMATCH {p}")
+        print(f"{args.from_target}: derived recipe "
+              + ("matches the checkpoint" if not problems else f"has {len(problems)} mismatch(es)")
+              + f"; run any command with --recipe {args.from_target}", file=sys.stderr)
+        return 1 if problems else 0
     if args.check_target:
         from eagle_ray.targets.check import check_target_dir
 

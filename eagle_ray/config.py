@@ -530,7 +530,7 @@ def _convert(value: str, annotation: Any, key: str) -> Any:
 
 def apply_overrides(recipe: Recipe, overrides: list[str] | dict[str, str]) -> Recipe:
     """Apply `section.field=value` overrides (e.g. `storage.dtype=fp8_e4m3`); re-validates."""
-    items = overrides.items() if isinstance(overrides, dict) else [_split_kv(o) for o in overrides]
+    items = overrides.items() if isinstance(overrides, dict) else [split_kv(o) for o in overrides]
     sections: dict[str, dict[str, Any]] = {}
     for key, value in items:
         section, _, name = key.partition(".")
@@ -547,7 +547,7 @@ def apply_overrides(recipe: Recipe, overrides: list[str] | dict[str, str]) -> Re
     return dataclasses.replace(recipe, **changed)
 
 
-def _split_kv(text: str) -> tuple[str, str]:
+def split_kv(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise ValueError(f"--set {text!r}: expected key=value, e.g. storage.dtype=fp8_e4m3")

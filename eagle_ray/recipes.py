@@ -13,7 +13,8 @@ import typing
 
 from eagle_ray.config import (TINY_KIMI_ALIAS, TINY_TARGET_ALIAS, DataConfig, DrafterConfig,
                               EngineConfig, ExtractConfig, GenerateConfig, Recipe, ServeConfig,
-                              StorageConfig, TargetConfig, TrainConfig, apply_overrides)
+                              StorageConfig, TargetConfig, TrainConfig, apply_overrides,
+                              split_kv)
 
 # Kimi-K2.5's thinking mode, as its vendor prescribes it (and fixes it in its own API).
 KIMI_K25_THINKING = ServeConfig(
@@ -164,9 +165,28 @@ RECIPES: dict[str, typing.Callable[[], Recipe]] = {
 
 
 
+def from_target(model_dir, *, gpu_bytes: int | None = -1) -> Recipe:
+    """The recipe derived from a checkpoint directory (targets/derive.py); on a CPU machine
+    it runs with tiny_cpu's engine, pools and schedule."""
+    from eagle_ray.targets.derive import recipe_from_target
+
+    return recipe_from_target(model_dir, tiny_cpu(), gpu_bytes=gpu_bytes)
+
+
 def load_recipe(name: str, overrides: list[str] | dict[str, str] | None = None) -> Recipe:
-    """A named recipe with overrides applied. Unknown names list the known ones."""
-    if name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r}; known recipes: {', '.join(sorted(RECIPES))}")
-    recipe = RECIPES[name]()
+    """A named recipe with overrides applied. Unknown names list the known ones. Besides the
+    names: a checkpoint directory (a path holding config.json), or "auto" with `--set
+    target.path=DIR`, gives the recipe derived from that checkpoint (targets/derive.py)."""
+    from eagle_ray.targets import derive
+
+    if name == derive.AUTO:
+        kv = dict(overrides) if isinstance(overrides, dict) else dict(split_kv(o) for o in overrides or [])
+        recipe = from_target(derive.auto_path(kv))
+    elif name not in RECIPES and derive.is_target_dir(name):
+        recipe = from_target(name)
+    elif name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; known recipes: {', '.join(sorted(RECIPES))}, "
+                         "auto (--set target.path=DIR), or a checkpoint directory")
+    else:
+        recipe = RECIPES[name]()
     return apply_overrides(recipe, overrides) if overrides else recipe
