@@ -142,11 +142,11 @@ def cmd_ingest(args) -> int:
     res = ingest(sources, args.out, seed=args.seed, annotate=annotate)  # progress: logging
     for src, c in res.per_source.items():
         print(f"{src}: " + ", ".join(f"{k} {v:,}" for k, v in c.items()))
-    print(summary_line(res.counts()))
+    print(summary_line(res.counters()))
     if res.reject_reasons:
         print("rejects by reason: " + ", ".join(f"{k} {v:,}" for k, v in sorted(res.reject_reasons.items())))
     print(f"wrote {res.out_dir}/prompts.parquet (rejects: {res.out_dir}/rejects.jsonl)")
-    bad = problems(res.counts(), res.out_dir)
+    bad = problems(res.counters(), res.out_dir)
     for p in bad:
         print(f"error: {p}", file=sys.stderr)
     return 1 if bad else 0

@@ -52,7 +52,6 @@ __all__ = [
     "DUPLICATES_FILE",
     "SAMPLED_OUT_FILE",
     "REPORT_FILE",
-    "COUNT_KEYS",
     "summary_line",
     "problems",
 ]
@@ -102,27 +101,6 @@ class IngestResult:
     def prompts_path(self) -> Path:
         return self.out_dir / PROMPTS_FILE
 
-    def counts(self) -> dict[str, int]:
-        return {k: getattr(self, k) for k in COUNT_KEYS}
-
-
-# The counters every ingest report carries; they add up: accepted + duplicates + rejected +
-# sampled_out = lines_read.
-COUNT_KEYS = ("lines_read", "accepted", "duplicates", "rejected", "sampled_out")
-
-
-def summary_line(counts: dict) -> str:
-    """Ingest's one line (the `eagle-ray ingest` command and the job print it)."""
-    return (f"ingest: accepted {counts['accepted']:,} + duplicates {counts['duplicates']:,} + "
-            f"rejected {counts['rejected']:,} + sampled out {counts['sampled_out']:,} = lines read "
-            f"{counts['lines_read']:,}")
-
-
-def problems(counts: dict, out_dir: str | Path) -> list[str]:
-    """What makes an ingest unusable (the command exits 1, the job stops)."""
-    return ([f"no sample was accepted; see {Path(out_dir) / REJECTS_FILE}"]
-            if counts["accepted"] == 0 else [])
-
     @property
     def report_path(self) -> Path:
         return self.out_dir / REPORT_FILE
@@ -136,6 +114,28 @@ def problems(counts: dict, out_dir: str | Path) -> list[str]:
 
     def counters(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in COUNTERS}
+
+
+def is_json_array(path: str | Path) -> bool:
+    """Is the source one JSON array (its first byte past a BOM and whitespace is '[')? Else
+    JSONL: a record per line."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    head = head[3:] if head.startswith(UTF8_BOM) else head
+    return head.lstrip()[:1] == b"["
+
+
+def summary_line(counts: dict) -> str:
+    """Ingest's one line (the `eagle-ray ingest` command and the job print it)."""
+    return (f"ingest: accepted {counts['accepted']:,} + duplicates {counts['duplicates']:,} + "
+            f"rejected {counts['rejected']:,} + sampled out {counts['sampled_out']:,} = lines read "
+            f"{counts['lines_read']:,}")
+
+
+def problems(counts: dict, out_dir: str | Path) -> list[str]:
+    """What makes an ingest unusable (the command exits 1, the job stops)."""
+    return ([f"no sample was accepted; see {Path(out_dir) / REJECTS_FILE}"]
+            if counts["accepted"] == 0 else [])
 
 
 # --------------------------------------------------------------------------- output files
@@ -221,28 +221,89 @@ class _Ingestor:
             }
         )
 
+    def _take(self, obj: Any, chunk: bytes, si: int, name: str, counts: dict, fmts: dict, lineno: int,
+              line_start: int, rejects: _RowsFile, dups: _RowsFile) -> None:
+        """One parsed record of source `si`: validated and canonicalized, then kept, counted
+        as a duplicate of the first copy, or rejected with its reason (`chunk`: its bytes)."""
+        try:
+            prompt, ref, fmt = parse_record(obj)
+            # UTF-8 bytes from here on: hashed as they are, and Arrow takes them
+            # without encoding each string again (or caching a copy in it).
+            m = canon_encode(prompt).encode("utf-8")
+            r = None if ref is None else canon_encode(ref).encode("utf-8")
+            # Equal to canonical_json(prompt, ref): sort_keys puts "messages" first.
+            h = hashlib.sha256(b'{"messages":' + m + b',"reference":' + (r or b"null") + b"}").hexdigest()
+        except Reject as e:
+            raw = strip_eol(chunk)
+            self._reject(rejects, name, counts, lineno, line_start, e.code, e.message, raw, len(raw))
+            return
+        except UnicodeEncodeError:
+            # A "\ud800"-style escape decodes to a lone surrogate, which is not valid
+            # text and cannot be written to Parquet.
+            raw = strip_eol(chunk)
+            self._reject(rejects, name, counts, lineno, line_start, "invalid_unicode",
+                         "a string contains a lone UTF-16 surrogate (\\ud800-\\udfff escape)",
+                         raw, len(raw))
+            return
+        fmts[fmt] += 1
+        kept = self.seen.get(h)
+        if kept is not None:
+            counts["duplicates"] += 1
+            dups.write_row({"source": name, "line": lineno, "sample_id": "s" + h[:20],
+                            "kept_source": self.sources[self.a_src[kept]].name,
+                            "kept_line": self.a_line[kept]})
+            return
+        self.seen[h] = len(self.a_hash)
+        self.a_src.append(si)
+        self.a_line.append(lineno)
+        self.a_msgs.append(m)
+        self.a_ref.append(r)
+        self.a_turns.append(len(prompt))
+        self.a_hash.append(h)
+
     def read_source(self, si: int, size: int, rejects: _RowsFile, dups: _RowsFile) -> None:
+        """One source, JSONL (a record per line) or one JSON array (ShareGPT's usual form):
+        every record ends kept, a duplicate or a reject; the file's size and sha256 recorded."""
         spec = self.sources[si]
         path, name = spec.path, spec.name  # the file, its label (rows)
         shown = display_path(path)  # the user's path (messages), not a Ray job's copy
         counts = self.per_source[name]
-        fmts = self.formats[name]
-        limit = self.max_line_bytes + 1
+        start_idx = len(self.a_hash)
         hasher = hashlib.sha256()
-        update = hasher.update
-        loads = loads_line
-        sha256 = hashlib.sha256
-        seen = self.seen
-        a_src, a_line, a_msgs, a_ref, a_turns, a_hash = (
-            self.a_src, self.a_line, self.a_msgs, self.a_ref, self.a_turns, self.a_hash
-        )
-        start_idx = len(a_hash)
-        lineno = 0
-        offset = 0
-        every = PROGRESS_EVERY
         if size == 0:
             self.say(f"source {shown} is empty (0 bytes)", warn=True)
-        with open(path, "rb", buffering=1 << 20) as f:
+        read = self._read_array if is_json_array(path) else self._read_lines
+        lineno, offset = read(si, shown, hasher.update, rejects, dups)
+        counts["lines_read"] = lineno
+        self.ranges.append((start_idx, len(self.a_hash)))
+        if offset != size:
+            self.say(f"source {shown} changed while being read ({size} bytes at start, {offset} read)",
+                      warn=True)
+        self.file_info.append({"size_bytes": offset, "sha256": hasher.hexdigest()})
+        n_ok = len(self.a_hash) - start_idx
+        if lineno and n_ok == 0 and counts["duplicates"] == 0:
+            self.say(f"source {shown}: none of its {lineno} lines was accepted; see {REJECTS_FILE}",
+                      warn=True)
+        self.say(
+            f"{shown}: {lineno} lines, {n_ok} new samples, {counts['duplicates']} duplicates, "
+            f"{counts['rejected']} rejected"
+        )
+
+    def _tick(self, shown: str, what: str, n: int) -> None:
+        self.lines_total += 1
+        if self.lines_total % PROGRESS_EVERY == 0:
+            dt = max(time.monotonic() - self.t0, 1e-9)
+            self.say(f"{self.lines_total:,} lines read ({self.lines_total / dt:,.0f} lines/s), "
+                     f"now {shown} {what} {n:,}")
+
+    def _read_lines(self, si: int, shown: str, update, rejects: _RowsFile, dups: _RowsFile) -> tuple[int, int]:
+        """JSONL: a record per line. Returns (lines, bytes read)."""
+        name = self.sources[si].name
+        counts, fmts = self.per_source[name], self.formats[name]
+        limit = self.max_line_bytes + 1
+        loads = loads_line
+        lineno = offset = 0
+        with open(self.sources[si].path, "rb", buffering=1 << 20) as f:
             readline = f.readline
             while True:
                 chunk = readline(limit)
@@ -252,13 +313,7 @@ class _Ingestor:
                 line_start = offset
                 offset += len(chunk)
                 update(chunk)
-                self.lines_total += 1
-                if self.lines_total % every == 0:
-                    dt = max(time.monotonic() - self.t0, 1e-9)
-                    self.say(
-                        f"{self.lines_total:,} lines read ({self.lines_total / dt:,.0f} lines/s), "
-                        f"now {shown} line {lineno:,}"
-                    )
+                self._tick(shown, "line", lineno)
                 if len(chunk) == limit and chunk[-1] != 10:
                     # Either over the limit, or exactly at it with a "\r\n" split by the limit.
                     if chunk[-1] == 13 and f.peek(1)[:1] == b"\n":
@@ -297,62 +352,30 @@ class _Ingestor:
                     self._reject(rejects, name, counts, lineno, line_start, "invalid_json",
                                  f"invalid JSON: {msg}", raw, len(raw))
                     continue
-                try:
-                    prompt, ref, fmt = parse_record(obj)
-                    # UTF-8 bytes from here on: hashed as they are, and Arrow takes them
-                    # without encoding each string again (or caching a copy in it).
-                    m = canon_encode(prompt).encode("utf-8")
-                    r = None if ref is None else canon_encode(ref).encode("utf-8")
-                    # Equal to canonical_json(prompt, ref): sort_keys puts "messages" first.
-                    h = sha256(b'{"messages":' + m + b',"reference":' + (r or b"null") + b"}").hexdigest()
-                except Reject as e:
-                    raw = strip_eol(chunk)
-                    self._reject(rejects, name, counts, lineno, line_start, e.code, e.message,
-                                 raw, len(raw))
-                    continue
-                except UnicodeEncodeError:
-                    # A "\ud800"-style escape decodes to a lone surrogate, which is not valid
-                    # text and cannot be written to Parquet.
-                    raw = strip_eol(chunk)
-                    self._reject(rejects, name, counts, lineno, line_start, "invalid_unicode",
-                                 "a string contains a lone UTF-16 surrogate (\\ud800-\\udfff escape)",
-                                 raw, len(raw))
-                    continue
-                fmts[fmt] += 1
-                kept = seen.get(h)
-                if kept is not None:
-                    counts["duplicates"] += 1
-                    dups.write_row(
-                        {
-                            "source": name,
-                            "line": lineno,
-                            "sample_id": "s" + h[:20],
-                            "kept_source": self.sources[a_src[kept]].name,
-                            "kept_line": a_line[kept],
-                        }
-                    )
-                    continue
-                seen[h] = len(a_hash)
-                a_src.append(si)
-                a_line.append(lineno)
-                a_msgs.append(m)
-                a_ref.append(r)
-                a_turns.append(len(prompt))
-                a_hash.append(h)
-        counts["lines_read"] = lineno
-        self.ranges.append((start_idx, len(a_hash)))
-        if offset != size:
-            self.say(f"source {shown} changed while being read ({size} bytes at start, {offset} read)",
-                      warn=True)
-        self.file_info.append({"size_bytes": offset, "sha256": hasher.hexdigest()})
-        n_ok = len(a_hash) - start_idx
-        if lineno and n_ok == 0 and counts["duplicates"] == 0:
-            self.say(f"source {shown}: none of its {lineno} lines was accepted; see {REJECTS_FILE}",
-                      warn=True)
-        self.say(
-            f"{shown}: {lineno} lines, {n_ok} new samples, {counts['duplicates']} duplicates, "
-            f"{counts['rejected']} rejected"
-        )
+                self._take(obj, chunk, si, name, counts, fmts, lineno, line_start, rejects, dups)
+        return lineno, offset
+
+    def _read_array(self, si: int, shown: str, update, rejects: _RowsFile, dups: _RowsFile) -> tuple[int, int]:
+        """One JSON array of records, streamed (data/json_array.py): each record counts as a
+        line (its number in the array) with its byte offset; a damaged or cut-off tail
+        (ShareGPT V3's file ends mid-record) is one reject row naming the byte where it
+        starts, and every complete record before it is kept. Returns (records + tail, bytes)."""
+        from eagle_ray.data.json_array import ArrayReader, Record
+
+        name = self.sources[si].name
+        counts, fmts = self.per_source[name], self.formats[name]
+        n = 0
+        with open(self.sources[si].path, "rb", buffering=1 << 20) as f:
+            reader = ArrayReader(f, update, self.max_line_bytes)
+            for item in reader:
+                n += 1
+                self._tick(shown, "record", n)
+                if isinstance(item, Record):
+                    self._take(item.obj, item.raw, si, name, counts, fmts, n, item.offset, rejects, dups)
+                else:
+                    self._reject(rejects, name, counts, n, item.offset, item.code, item.message,
+                                 item.head, item.size)
+        return n, reader.size
 
     def _skip_long_line(self, f, chunk, update, offset, rejects, name, counts, lineno, line_start):
         """Consume the rest of an over-long line in bounded chunks and record one reject."""

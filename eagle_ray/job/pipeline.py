@@ -120,7 +120,7 @@ def _ingest_run(job: Job) -> bool:
 
     res = ingest([SourceSpec.parse(s) for s in job.inputs], job.path("ingest"), seed=job.recipe.data.seed,
                  annotate=length_annotator(job.recipe))
-    job.found["ingest"] = res.counts()
+    job.found["ingest"] = res.counters()
     return True
 
 
