@@ -112,7 +112,7 @@ def test_cli_generate_extract(tmp_path, staged, capsys):
             "--out", str(tmp_path / "store"), "--placement", "colocated"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert f"(colocated): {N} prompts generated, {N} samples" in out
+    assert f"(streamed, colocated): {N} prompts generated, {N} samples" in out
     assert sorted(read_index(tmp_path / "store").column("sample_id").to_pylist()) == \
         sorted(read_index(staged / "store").column("sample_id").to_pylist())
     assert main(args) == 0
@@ -142,7 +142,7 @@ def test_a_successful_streamed_run_prints_no_error_and_no_traceback(tmp_path, st
                        timeout=600)
     console = p.stdout + p.stderr
     assert p.returncode == 0, console[-3000:]
-    assert f"(separate): {N} prompts generated, {N} samples" in console
+    assert f"(streamed, separate): {N} prompts generated, {N} samples" in console
     assert "Traceback" not in console and "EngineDeadError" not in console, console[-5000:]
     errors = [line for line in console.splitlines()
               if ("ERROR" in line or " E " in line[:40]) and "ray/issues/53727" not in line]
