@@ -1,6 +1,6 @@
 """Streamed generate+extract vs the staged commands, on the tiny target (regenerate mode).
 
-For each prompt count: wall time of the streamed run (eagle_ray/stream/separate.py) with separate
+For each prompt count: wall time of the streamed run (eagle_ray/stream/run.py) with separate
 pools and with the colocated placement (one engine generates and captures), of generate and
 extract run back to back, and peak memory: driver RSS and object-store bytes in use (Ray's
 plasma usage, polled every 0.2 s). Each run is its own process with its own local Ray, so
@@ -53,7 +53,7 @@ def child(mode: str, n: int, d: Path) -> dict:
     t0 = time.time()
     if mode in ("streamed", "colocated"):
         from eagle_ray.config import apply_overrides
-        from eagle_ray.stream.separate import run_generate_extract
+        from eagle_ray.stream.run import run_generate_extract
 
         placement = "colocated" if mode == "colocated" else "separate"
         run_generate_extract(apply_overrides(r, {"extract.placement": placement}),

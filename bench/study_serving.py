@@ -28,7 +28,7 @@ from pathlib import Path
 
 def _variant(name, recipe, ingest_dir, out, init_from=None, store=None):
     from eagle_ray.export.drafter import export_drafter
-    from eagle_ray.stream.separate import run_generate_extract
+    from eagle_ray.stream.run import run_generate_extract
     from eagle_ray.train.run import run_train
 
     d = out / name

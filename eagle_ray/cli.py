@@ -227,7 +227,7 @@ def cmd_extract(args) -> int:
 ])
 def cmd_generate_extract(args) -> int:
     from eagle_ray.config import apply_overrides
-    from eagle_ray.stream.separate import run_generate_extract
+    from eagle_ray.stream.run import run_generate_extract
 
     recipe = _recipe(args)
     if args.placement:

@@ -348,7 +348,7 @@ class ExtractConfig:
     """Streamed generate+extract: "separate" pools (generation replicas and extractor
     replicas side by side: targets that fit several times on a node) or "colocated" (one
     engine per replica generates, then captures: targets that take the whole node; the
-    replicas use the generate.* bounds and resources). eagle_ray/stream/separate.py, colocated.py."""
+    replicas use the generate.* bounds and resources). eagle_ray/stream/run.py (the entry), separate.py, colocated.py."""
     prefix_caching: bool = False
     """vLLM prefix caching in the capture engine. Colocated: the capture prefill reuses the
     blocks generation just computed (hidden-states cache blocks included)."""

@@ -456,6 +456,123 @@ class _Ingestor:
             schema=PROMPTS_SCHEMA,
         )
 
+
+def _check_args(seed: int, max_line_bytes: int) -> None:
+    """Raise ValueError for a max_line_bytes or seed that is not a valid integer."""
+    if isinstance(max_line_bytes, bool) or not isinstance(max_line_bytes, int) or max_line_bytes < 1:
+        raise ValueError(f"max_line_bytes must be a positive integer, got {max_line_bytes!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+
+
+def _open_rows_files(out: Path, files: list[AtomicFile]) -> tuple[_RowsFile, _RowsFile, _RowsFile]:
+    """Open the rejects, duplicates and sampled-out outputs, each added to `files` as it opens."""
+    rejects = _RowsFile(out / REJECTS_FILE)
+    files.append(rejects)
+    dups = _RowsFile(out / DUPLICATES_FILE)
+    files.append(dups)
+    sampled = _RowsFile(out / SAMPLED_OUT_FILE)
+    files.append(sampled)
+    return rejects, dups, sampled
+
+
+def _annotated(table: pa.Table, annotate: Callable[[pa.Table], pa.Table]) -> pa.Table:
+    """Apply `annotate` to the table and check that it kept every row and column."""
+    n_rows = table.num_rows
+    table = annotate(table)
+    if not isinstance(table, pa.Table):
+        raise TypeError(f"annotate must return a pyarrow.Table, got {type_name(table)}")
+    missing = [c for c in PROMPTS_SCHEMA.names if c not in table.column_names]
+    if table.num_rows != n_rows or missing:
+        raise ValueError(
+            f"annotate must keep all rows and columns (rows {n_rows} -> {table.num_rows}, "
+            f"missing columns {missing})"
+        )
+    return table
+
+
+def _checked_totals(ing: _Ingestor, table: pa.Table, rejects: _RowsFile, dups: _RowsFile,
+                    sampled: _RowsFile) -> dict[str, int]:
+    """Sum the per-source counters and check the invariant and the output row counts."""
+    totals = dict.fromkeys(COUNTERS, 0)
+    for c in ing.per_source.values():
+        for k in COUNTERS:
+            totals[k] += c[k]
+    for path, c in ing.per_source.items():
+        check_invariant(f"source {path}", c)
+    check_invariant("total", totals)
+    if totals["accepted"] != table.num_rows or totals["rejected"] != rejects.rows \
+            or totals["duplicates"] != dups.rows or totals["sampled_out"] != sampled.rows:
+        raise AssertionError("output row counts do not match the counters")
+    return totals
+
+
+def _write_prompts(out: Path, table: pa.Table, files: list[AtomicFile]) -> None:
+    """Write the table to a new atomic ``prompts.parquet``, added to `files`."""
+    pq_file = AtomicFile(out / PROMPTS_FILE)
+    files.append(pq_file)
+    pq.write_table(table, pq_file.f, compression="zstd", row_group_size=100_000)
+
+
+def _report(ing: _Ingestor, totals: dict[str, int], reject_reasons: dict[str, int],
+            sel_info: list[dict[str, Any]], shortfall: dict[str, int]) -> dict[str, Any]:
+    """The contents of ``report.json``."""
+    return {
+        "version": 1,
+        **totals,
+        "invariant": {"formula": INVARIANT, "holds": True},
+        "per_source": ing.per_source,
+        "reject_reasons": reject_reasons,
+        "seed": ing.seed,
+        "max_line_bytes": ing.max_line_bytes,
+        "sources": [
+            {
+                "label": s.name,
+                "path": display_path(s.path),
+                "count": s.count,
+                "fraction": s.fraction,
+                **ing.file_info[i],
+                **sel_info[i],
+                "formats": ing.formats[s.name],
+            }
+            for i, s in enumerate(ing.sources)
+        ],
+        "shortfall": shortfall,
+        "warnings": ing.warnings,
+        "outputs": [PROMPTS_FILE, REJECTS_FILE, DUPLICATES_FILE, SAMPLED_OUT_FILE, REPORT_FILE],
+    }
+
+
+def _write_report(out: Path, report: dict[str, Any], files: list[AtomicFile]) -> None:
+    """Write the report to a new atomic ``report.json``, added to `files`."""
+    rep = AtomicFile(out / REPORT_FILE)
+    files.append(rep)
+    rep.f.write(json.dumps(report, indent=2, ensure_ascii=False).encode("utf-8") + b"\n")
+
+
+def _commit_outputs(out: Path, files: list[AtomicFile]) -> None:
+    """Finish and rename all outputs into place, report.json last, then fsync the directory."""
+    for af in files:
+        af.finish()
+    # An old report next to half-replaced outputs would be misleading; report.json
+    # is removed first and renamed in last, so its presence marks a complete set.
+    (out / REPORT_FILE).unlink(missing_ok=True)
+    for af in files:
+        af.commit(sync_dir=False)  # one fsync of the directory for all of them, below
+    fsync_dir(out)
+
+
+def _say_done(ing: _Ingestor, totals: dict[str, int], out: Path) -> None:
+    """Report the run's counters and its rate."""
+    dt = time.monotonic() - ing.t0
+    ing.say(
+        f"ingested {totals['lines_read']} lines in {dt:.1f}s "
+        f"({totals['lines_read'] / max(dt, 1e-9):,.0f} lines/s): {totals['accepted']} accepted, "
+        f"{totals['duplicates']} duplicates, {totals['rejected']} rejected, "
+        f"{totals['sampled_out']} sampled out -> {out}"
+    )
+
+
 def ingest(
     sources: list[SourceSpec],
     out_dir: str | Path,
@@ -472,10 +589,7 @@ def ingest(
     checked before anything is written. ``annotate`` may add columns to the final
     (shuffled) table; it is also called on an empty table so the schema is stable.
     """
-    if isinstance(max_line_bytes, bool) or not isinstance(max_line_bytes, int) or max_line_bytes < 1:
-        raise ValueError(f"max_line_bytes must be a positive integer, got {max_line_bytes!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
+    _check_args(seed, max_line_bytes)
     sources = list(sources)
     sizes = check_sources(sources)
     out = Path(out_dir)
@@ -484,12 +598,7 @@ def ingest(
     ing = _Ingestor(sources, out, seed, max_line_bytes, progress)
     files: list[AtomicFile] = []
     try:
-        rejects = _RowsFile(out / REJECTS_FILE)
-        files.append(rejects)
-        dups = _RowsFile(out / DUPLICATES_FILE)
-        files.append(dups)
-        sampled = _RowsFile(out / SAMPLED_OUT_FILE)
-        files.append(sampled)
+        rejects, dups, sampled = _open_rows_files(out, files)
         with _no_cyclic_gc():
             for si in range(len(sources)):
                 ing.read_source(si, sizes[si], rejects, dups)
@@ -497,84 +606,24 @@ def ingest(
         table = ing.build_table(keep)
         ing.a_msgs = ing.a_ref = []  # the table holds its own copy now
         if annotate is not None:
-            n_rows = table.num_rows
-            table = annotate(table)
-            if not isinstance(table, pa.Table):
-                raise TypeError(f"annotate must return a pyarrow.Table, got {type_name(table)}")
-            missing = [c for c in PROMPTS_SCHEMA.names if c not in table.column_names]
-            if table.num_rows != n_rows or missing:
-                raise ValueError(
-                    f"annotate must keep all rows and columns (rows {n_rows} -> {table.num_rows}, "
-                    f"missing columns {missing})"
-                )
+            table = _annotated(table, annotate)
 
-        totals = dict.fromkeys(COUNTERS, 0)
-        for c in ing.per_source.values():
-            for k in COUNTERS:
-                totals[k] += c[k]
-        for path, c in ing.per_source.items():
-            check_invariant(f"source {path}", c)
-        check_invariant("total", totals)
-        if totals["accepted"] != table.num_rows or totals["rejected"] != rejects.rows \
-                or totals["duplicates"] != dups.rows or totals["sampled_out"] != sampled.rows:
-            raise AssertionError("output row counts do not match the counters")
+        totals = _checked_totals(ing, table, rejects, dups, sampled)
         if totals["accepted"] == 0:
             ing.say("no sample was accepted; writing empty outputs", warn=True)
 
-        pq_file = AtomicFile(out / PROMPTS_FILE)
-        files.append(pq_file)
-        pq.write_table(table, pq_file.f, compression="zstd", row_group_size=100_000)
+        _write_prompts(out, table, files)
         del table
 
         reject_reasons = dict(sorted(ing.reject_reasons.items()))
-        report = {
-            "version": 1,
-            **totals,
-            "invariant": {"formula": INVARIANT, "holds": True},
-            "per_source": ing.per_source,
-            "reject_reasons": reject_reasons,
-            "seed": seed,
-            "max_line_bytes": max_line_bytes,
-            "sources": [
-                {
-                    "label": s.name,
-                    "path": display_path(s.path),
-                    "count": s.count,
-                    "fraction": s.fraction,
-                    **ing.file_info[i],
-                    **sel_info[i],
-                    "formats": ing.formats[s.name],
-                }
-                for i, s in enumerate(sources)
-            ],
-            "shortfall": shortfall,
-            "warnings": ing.warnings,
-            "outputs": [PROMPTS_FILE, REJECTS_FILE, DUPLICATES_FILE, SAMPLED_OUT_FILE, REPORT_FILE],
-        }
-        rep = AtomicFile(out / REPORT_FILE)
-        files.append(rep)
-        rep.f.write(json.dumps(report, indent=2, ensure_ascii=False).encode("utf-8") + b"\n")
-
-        for af in files:
-            af.finish()
-        # An old report next to half-replaced outputs would be misleading; report.json
-        # is removed first and renamed in last, so its presence marks a complete set.
-        (out / REPORT_FILE).unlink(missing_ok=True)
-        for af in files:
-            af.commit(sync_dir=False)  # one fsync of the directory for all of them, below
-        fsync_dir(out)
+        _write_report(out, _report(ing, totals, reject_reasons, sel_info, shortfall), files)
+        _commit_outputs(out, files)
     except BaseException:
         for af in files:
             af.abort()
         raise
 
-    dt = time.monotonic() - ing.t0
-    ing.say(
-        f"ingested {totals['lines_read']} lines in {dt:.1f}s "
-        f"({totals['lines_read'] / max(dt, 1e-9):,.0f} lines/s): {totals['accepted']} accepted, "
-        f"{totals['duplicates']} duplicates, {totals['rejected']} rejected, "
-        f"{totals['sampled_out']} sampled out -> {out}"
-    )
+    _say_done(ing, totals, out)
     return IngestResult(
         out_dir=out,
         per_source=ing.per_source,

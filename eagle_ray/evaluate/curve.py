@@ -95,24 +95,13 @@ def run_curve(recipe: Recipe, run_dir: str | Path, out_dir: str | Path, *,
               fractions: Sequence[float] | None = None, steps: int | None = None,
               prompts: str | Path | None = None, online_prompts: int | None = None,
               seed: int = 0) -> dict[str, Any]:
-    import ray
-    from safetensors.torch import load_file
-
     from eagle_ray.common.outputs import claim_output_dir
-    from eagle_ray.evaluate.acceptance import offline_acceptance
-    from eagle_ray.ops.cluster import init_ray
-    from eagle_ray.store.reader import HiddenStateStore
     from eagle_ray.targets.identity import check_same_target, recorded_target
     from eagle_ray.targets.resolve import resolve_target_path
     from eagle_ray.targets.serving import serving_profile
-    from eagle_ray.train.checkpoint import newest_loadable as latest_checkpoint
 
     run = Path(run_dir).resolve()
-    if not (run / "run.json").exists():
-        raise FileNotFoundError(f"{run / 'run.json'} does not exist: pass the --out of `eagle-ray train`")
-    info = json.loads((run / "run.json").read_text())
-    if not info.get("store"):
-        raise ValueError(f"{run} was trained online (no store): the curve needs a hidden-state store")
+    info = _run_info(run)
     model_dir = resolve_target_path(recipe.target)
     check_same_target(recipe, model_dir, recorded_target(info["store_manifest"]), f"the run {run}")
     c = recipe.curve
@@ -123,63 +112,17 @@ def run_curve(recipe: Recipe, run_dir: str | Path, out_dir: str | Path, *,
     k = recipe.drafter.num_speculative_tokens
     subsets = nested_fractions(info["train_ids"], fractions, seed)
 
-    store = HiddenStateStore(info["store"])
-    idx = store.index_table()
-    ntok = dict(zip(idx.column("sample_id").to_pylist(), idx.column("num_tokens").to_pylist()))
+    ntok = _sample_tokens(info["store"])
     t = recipe.train
     r_trial = replace(recipe, train=replace(t, max_steps=steps, eval_interval=steps,
                                             ckpt_interval=steps, num_workers=c.workers))
-    trials, infos = {}, {}
-    for f, ids in subsets.items():
-        fdir = out / f"frac-{f:g}"
-        finfo = {**info, "train_ids": ids, "curve": {"fraction": f, "of_run": str(run), "steps": steps,
-                                                      "seed": seed}}
-        if (fdir / "run.json").exists():
-            old = json.loads((fdir / "run.json").read_text())
-            if old.get("train_ids") != ids or old.get("val_ids") != info["val_ids"] or \
-                    (old.get("curve") or {}).get("steps") != steps:
-                raise ValueError(f"{fdir} holds another curve's fraction (other samples or steps); "
-                                 "use a new --out")
-        fdir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(fdir / "run.json", finfo)
-        infos[f] = finfo
-    init_ray()
-    todo = {f: out / f"frac-{f:g}" for f in subsets}
-    done = {}
-    for f, fdir in todo.items():
-        ck = latest_checkpoint(fdir)
-        if ck is not None and json.loads((ck / "state.json").read_text())["step"] >= steps:
-            done[f] = True
-            logger.info("curve: fraction %g already trained (%s)", f, ck.name)
-    remote = ray.remote(num_cpus=0)(_trial)
-    for f, fdir in todo.items():
-        if f not in done:
-            logger.info("curve: training fraction %g (%d samples, %d steps) as a Ray task", f,
-                        len(subsets[f]), steps)
-            trials[f] = remote.remote(r_trial, str(fdir), infos[f], {"store": info["store"]})
-    for f, ref in trials.items():
-        ray.get(ref)
-        logger.info("curve: fraction %g trained", f)
+    infos = _write_fraction_infos(info, subsets, out, run, steps, seed)
+    _train_fractions(r_trial, info, subsets, infos, out, steps)
 
     profile = serving_profile(recipe, model_dir)
     sampling = profile if profile["temperature"] > 0 else None
-    points = []
-    for i, (f, finfo) in enumerate(infos.items()):
-        logger.info("curve: judging fraction %g offline (%d of %d)", f, i + 1, len(infos))
-        ck = latest_checkpoint(out / f"frac-{f:g}")
-        off = offline_acceptance(finfo, load_file(str(ck / "model.safetensors")), k, sampling=sampling)
-        pt = {"fraction": f, "samples": len(subsets[f]), "tokens": sum(ntok[s] for s in subsets[f]),
-              "greedy": off["mean_acceptance_length"]}
-        if sampling:
-            pt["as_served_greedy_drafting"] = off["as_served"]["greedy_drafting"]["mean_acceptance_length"]
-            pt["as_served_probabilistic"] = off["as_served"]["probabilistic_drafting"]["mean_acceptance_length"]
-        points.append(pt)
-
-    metrics = [m for m in ("as_served_probabilistic", "as_served_greedy_drafting", "greedy") if m in points[0]]
-    # The headline follows what the user will serve: at a sampled profile, the drafting method
-    # the largest fraction accepts more with (as evaluate recommends); greedy otherwise.
-    headline = max(metrics[:2], key=lambda m: points[-1][m]) if sampling else "greedy"
-    fits = {m: fit_log2([p["tokens"] for p in points], [p[m] for p in points]) for m in metrics}
+    points = _judge_offline(infos, subsets, ntok, out, k, sampling)
+    headline, fits = _fit_points(points, sampling)
     online = None
     if prompts is not None and online_prompts > 0 and sampling:
         online = _online_largest(recipe, model_dir, out, max(infos), prompts, online_prompts, info,
@@ -201,6 +144,105 @@ def run_curve(recipe: Recipe, run_dir: str | Path, out_dir: str | Path, *,
     atomic_write_bytes(out / "curve.md", curve_markdown(result).encode())
     _plot(out)
     return result
+
+
+def _run_info(run: Path) -> dict[str, Any]:
+    """The training run's run.json, refused without one or without a store."""
+    if not (run / "run.json").exists():
+        raise FileNotFoundError(f"{run / 'run.json'} does not exist: pass the --out of `eagle-ray train`")
+    info = json.loads((run / "run.json").read_text())
+    if not info.get("store"):
+        raise ValueError(f"{run} was trained online (no store): the curve needs a hidden-state store")
+    return info
+
+
+def _sample_tokens(store_dir: str) -> dict[str, int]:
+    """sample id -> its token count, from the store's index."""
+    from eagle_ray.store.reader import HiddenStateStore
+
+    store = HiddenStateStore(store_dir)
+    idx = store.index_table()
+    return dict(zip(idx.column("sample_id").to_pylist(), idx.column("num_tokens").to_pylist()))
+
+
+def _write_fraction_infos(info: dict[str, Any], subsets: dict[float, list[str]], out: Path, run: Path,
+                          steps: int, seed: int) -> dict[float, dict[str, Any]]:
+    """Write every fraction's run.json (refusing another curve's fraction); fraction -> that info."""
+    infos = {}
+    for f, ids in subsets.items():
+        fdir = out / f"frac-{f:g}"
+        finfo = {**info, "train_ids": ids, "curve": {"fraction": f, "of_run": str(run), "steps": steps,
+                                                      "seed": seed}}
+        if (fdir / "run.json").exists():
+            old = json.loads((fdir / "run.json").read_text())
+            if old.get("train_ids") != ids or old.get("val_ids") != info["val_ids"] or \
+                    (old.get("curve") or {}).get("steps") != steps:
+                raise ValueError(f"{fdir} holds another curve's fraction (other samples or steps); "
+                                 "use a new --out")
+        fdir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(fdir / "run.json", finfo)
+        infos[f] = finfo
+    return infos
+
+
+def _train_fractions(r_trial: Recipe, info: dict[str, Any], subsets: dict[float, list[str]],
+                     infos: dict[float, dict[str, Any]], out: Path, steps: int) -> None:
+    """Train every fraction not trained yet to `steps`, side by side as Ray tasks; wait for all."""
+    import ray
+
+    from eagle_ray.ops.cluster import init_ray
+    from eagle_ray.train.checkpoint import newest_loadable as latest_checkpoint
+
+    trials = {}
+    init_ray()
+    todo = {f: out / f"frac-{f:g}" for f in subsets}
+    done = {}
+    for f, fdir in todo.items():
+        ck = latest_checkpoint(fdir)
+        if ck is not None and json.loads((ck / "state.json").read_text())["step"] >= steps:
+            done[f] = True
+            logger.info("curve: fraction %g already trained (%s)", f, ck.name)
+    remote = ray.remote(num_cpus=0)(_trial)
+    for f, fdir in todo.items():
+        if f not in done:
+            logger.info("curve: training fraction %g (%d samples, %d steps) as a Ray task", f,
+                        len(subsets[f]), steps)
+            trials[f] = remote.remote(r_trial, str(fdir), infos[f], {"store": info["store"]})
+    for f, ref in trials.items():
+        ray.get(ref)
+        logger.info("curve: fraction %g trained", f)
+
+
+def _judge_offline(infos: dict[float, dict[str, Any]], subsets: dict[float, list[str]], ntok: dict[str, int],
+                   out: Path, k: int, sampling: dict | None) -> list[dict[str, Any]]:
+    """Every fraction's newest checkpoint judged offline on the validation split: one point each."""
+    from safetensors.torch import load_file
+
+    from eagle_ray.evaluate.acceptance import offline_acceptance
+    from eagle_ray.train.checkpoint import newest_loadable as latest_checkpoint
+
+    points = []
+    for i, (f, finfo) in enumerate(infos.items()):
+        logger.info("curve: judging fraction %g offline (%d of %d)", f, i + 1, len(infos))
+        ck = latest_checkpoint(out / f"frac-{f:g}")
+        off = offline_acceptance(finfo, load_file(str(ck / "model.safetensors")), k, sampling=sampling)
+        pt = {"fraction": f, "samples": len(subsets[f]), "tokens": sum(ntok[s] for s in subsets[f]),
+              "greedy": off["mean_acceptance_length"]}
+        if sampling:
+            pt["as_served_greedy_drafting"] = off["as_served"]["greedy_drafting"]["mean_acceptance_length"]
+            pt["as_served_probabilistic"] = off["as_served"]["probabilistic_drafting"]["mean_acceptance_length"]
+        points.append(pt)
+    return points
+
+
+def _fit_points(points: list[dict[str, Any]], sampling: dict | None) -> tuple[str, dict[str, dict[str, float]]]:
+    """The headline metric and a log2 fit of every metric the points carry."""
+    metrics = [m for m in ("as_served_probabilistic", "as_served_greedy_drafting", "greedy") if m in points[0]]
+    # The headline follows what the user will serve: at a sampled profile, the drafting method
+    # the largest fraction accepts more with (as evaluate recommends); greedy otherwise.
+    headline = max(metrics[:2], key=lambda m: points[-1][m]) if sampling else "greedy"
+    fits = {m: fit_log2([p["tokens"] for p in points], [p[m] for p in points]) for m in metrics}
+    return headline, fits
 
 
 def _online_largest(recipe, model_dir, out, f, prompts, n, info, profile, k) -> dict[str, float]:

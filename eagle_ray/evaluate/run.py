@@ -38,22 +38,14 @@ logger = logging.getLogger(__name__)
 def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, out_dir: str | Path,
                  *, k: int | None = None, limit: int | None = None, seeds: int | None = None,
                  baseline_drafter: str | Path | None = None) -> dict[str, Any]:
-    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
     from eagle_ray.vllm.engine import engine_kwargs
-    from eagle_ray.evaluate.acceptance import (offline_acceptance, online_runs_isolated,
-                                               prompts_from_ingest)
-    from eagle_ray.export.drafter import export_drafter, read_drafter_config
+    from eagle_ray.evaluate.acceptance import prompts_from_ingest
 
     out = claim_output_dir(out_dir, "evaluate")  # new, empty or an earlier evaluate output
     drafter_dir = Path(drafter_dir).resolve()
-    dcfg = read_drafter_config(drafter_dir)
-    run_dir = Path(dcfg.get("eagle_ray", {}).get("run_dir", ""))
-    if not (run_dir / "run.json").exists():
-        raise ValueError(f"{drafter_dir} does not name its training run (eagle_ray.run_dir); "
-                         "export it with `eagle-ray export`")
-    info = json.loads((run_dir / "run.json").read_text())
+    run_dir, info = _training_run(drafter_dir)
     k = k or recipe.drafter.num_speculative_tokens
     limit = recipe.evaluate.prompts if limit is None else limit
     seeds = recipe.evaluate.seeds if seeds is None else seeds
@@ -76,14 +68,53 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
 
     # Offline: trained vs untrained on the store's validation split, greedy and (expected)
     # as served. (An online-trained run has no store: no offline figures.)
-    weights = {kname: v for kname, v in load_file(str(drafter_dir / "model.safetensors")).items()}
-    sampling = profile if served else None
-    offline = offline_acceptance(info, weights, k, sampling=sampling) if info.get("store") else None
-    offline_untrained = offline_acceptance(info, None, k, sampling=sampling) if info.get("store") else None
+    offline, offline_untrained = _offline(info, drafter_dir, k, profile if served else None)
 
     # Online: real vLLM, same prompts, greedy, then once per seed as served.
     ekw = engine_kwargs(recipe, str(model_dir))
     max_tokens = recipe.generate.max_tokens
+    specs, sampled = _online_specs(run_dir, out, drafter_dir, baseline_drafter, k, profile, seeds, served)
+    runs = _online_runs(ekw, held_out, max_tokens, specs, sampled, sources, seeds)
+    identical, as_served = _compare_outputs(runs, profile, sampled, offline)
+    report = _report(runs, identical, as_served, k=k, held_out=held_out, sources=sources,
+                     max_tokens=max_tokens, drafter_dir=drafter_dir, model_dir=model_dir,
+                     baseline_drafter=baseline_drafter, offline=offline,
+                     offline_untrained=offline_untrained, profile=profile)
+    _write_outputs(report, out)
+    return report
+
+
+def _training_run(drafter_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """The training run an exported drafter names (its directory and run.json), else refuse."""
+    from eagle_ray.export.drafter import read_drafter_config
+
+    dcfg = read_drafter_config(drafter_dir)
+    run_dir = Path(dcfg.get("eagle_ray", {}).get("run_dir", ""))
+    if not (run_dir / "run.json").exists():
+        raise ValueError(f"{drafter_dir} does not name its training run (eagle_ray.run_dir); "
+                         "export it with `eagle-ray export`")
+    info = json.loads((run_dir / "run.json").read_text())
+    return run_dir, info
+
+
+def _offline(info: dict[str, Any], drafter_dir: Path, k: int,
+             sampling: dict | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """Offline acceptance of the trained and the untrained drafter (None for both without a store)."""
+    from safetensors.torch import load_file
+
+    from eagle_ray.evaluate.acceptance import offline_acceptance
+
+    weights = {kname: v for kname, v in load_file(str(drafter_dir / "model.safetensors")).items()}
+    offline = offline_acceptance(info, weights, k, sampling=sampling) if info.get("store") else None
+    offline_untrained = offline_acceptance(info, None, k, sampling=sampling) if info.get("store") else None
+    return offline, offline_untrained
+
+
+def _online_specs(run_dir: Path, out: Path, drafter_dir: Path, baseline_drafter: Path | None, k: int,
+                  profile: dict, seeds: int, served: bool) -> tuple[dict[str, Any], dict | None]:
+    """Export the untrained drafter; the speculative configs of the online runs, and what to sample."""
+    from eagle_ray.export.drafter import export_drafter
+
     untrained_dir = export_drafter(run_dir, out / "untrained_drafter", untrained=True)
     eagle = {"method": "eagle3", "num_speculative_tokens": k}
     specs: dict[str, Any] = {"baseline": None,
@@ -96,9 +127,16 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
     sampled = {"sampling": profile, "seeds": list(range(seeds))} if served else None
     if sampled:
         specs["online_probabilistic"] = {**specs["online"], "draft_sample_method": "probabilistic"}
+    return specs, sampled
+
+
+def _online_runs(ekw: dict[str, Any], held_out: list, max_tokens: int, specs: dict[str, Any],
+                 sampled: dict | None, sources: list, seeds: int) -> dict[str, Any]:
+    """Every online run in vLLM, one after another, logging each start with an ETA."""
     import time
 
     from eagle_ray.common.progress import hms
+    from eagle_ray.evaluate.acceptance import online_runs_isolated
 
     t_runs = time.monotonic()
 
@@ -107,7 +145,13 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
         logger.info("evaluate: online run %d of %d, %s (%d prompts, greedy%s)%s", i + 1, len(specs),
                     name, len(held_out), f" + {seeds} seed(s) as served" if sampled else "", eta)
 
-    runs = online_runs_isolated(ekw, held_out, max_tokens, specs, sampled, sources, starting)
+    return online_runs_isolated(ekw, held_out, max_tokens, specs, sampled, sources, starting)
+
+
+def _compare_outputs(runs: dict[str, Any], profile: dict, sampled: dict | None,
+                     offline: dict[str, Any] | None) -> tuple[dict[str, bool], dict[str, Any] | None]:
+    """Greedy outputs identical to the plain run's, per run, and the as-served figures; strips
+    the runs of their outputs and per-seed results (and drops online_probabilistic)."""
     base = runs["baseline"]["outputs"]
     greedy_names = [n for n in runs if n not in ("baseline", "online_probabilistic")]
     identical = {name: runs[name]["outputs"] == base for name in greedy_names}
@@ -117,10 +161,17 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
     for r in runs.values():
         r.pop("sampled", None)
     runs.pop("online_probabilistic", None)
+    return identical, as_served
 
+
+def _report(runs: dict[str, Any], identical: dict[str, bool], as_served: dict[str, Any] | None, *,
+            k: int, held_out: list, sources: list, max_tokens: int, drafter_dir: Path, model_dir: Path,
+            baseline_drafter: Path | None, offline: dict[str, Any] | None,
+            offline_untrained: dict[str, Any] | None, profile: dict) -> dict[str, Any]:
+    """The report (report.json's content) from the offline figures and the online runs."""
     speedups = {n: runs[n]["tokens_per_s"] / runs["baseline"]["tokens_per_s"]
                 for n in runs if n != "baseline"}
-    report = {
+    return {
         "k": k, "prompts": len(held_out), "max_tokens": max_tokens,
         "sources": {s: sources.count(s) for s in sorted(set(sources))},
         "drafter": str(drafter_dir), "target": str(model_dir),
@@ -137,6 +188,10 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
         "device": _device(),
         "provenance": provenance(),
     }
+
+
+def _write_outputs(report: dict[str, Any], out: Path) -> None:
+    """Write report.json and report.md, record the acceptance metrics, then plot acceptance.png."""
     atomic_write_json(out / "report.json", report)
     atomic_write_bytes(out / "report.md", _markdown(report).encode())
     from eagle_ray.ops.metrics import record
@@ -146,7 +201,6 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
             record("eagle_ray_acceptance_length", report[name]["mean_acceptance_length"],
                    stage="evaluate", run=name)
     _plot(report, out / "acceptance.png")
-    return report
 
 
 def _check_baseline_drafter(path: Path, model_dir: Path) -> Path:

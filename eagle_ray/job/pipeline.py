@@ -10,7 +10,7 @@ output is already complete, so a failed or stopped job resumes when it is submit
   ingest    ingest/report.json (written last)                      re-run (deterministic ids)
   generate  generate/manifest.json: no prompt pending              resume: skip done samples
   extract   every conversation committed in store/index            resume: skip committed samples
-            (generate and extract stream in one Ray Data pipeline, eagle_ray/stream/separate.py:
+            (generate and extract stream in one Ray Data pipeline, eagle_ray/stream/run.py:
             separate pools, or one colocated engine per replica for whole-node targets)
   train     newest loadable checkpoint at train.max_steps          resume from that checkpoint
   export    drafter/ exported from that checkpoint                 export (atomic swap)
@@ -157,7 +157,7 @@ def _plan_line(job: Job) -> str:
 
 def _stream_run(job: Job) -> bool:
     from eagle_ray.store.reader import verify_store
-    from eagle_ray.stream.separate import run_generate_extract
+    from eagle_ray.stream.run import run_generate_extract
 
     # One Ray Data pipeline: separate generation and extractor pools, or one colocated engine
     # per replica for a target that takes the whole node (the recipe's extract.placement).

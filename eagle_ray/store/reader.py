@@ -202,84 +202,13 @@ def verify_store(root: str | Path, *, checksums: bool = True, headers: bool = Tr
     if dup:
         problems.append(f"{dup} sample id(s) committed more than once")
     shards_on_disk = {p.name for p in (root / SHARDS_DIR).glob("shard-*.safetensors")}
-    expected_keys = stored_tensors(manifest.dtype)
-    offsets = index.column("offset").to_numpy()
-    ntok = index.column("num_tokens").to_numpy().astype(np.int64)
     referenced = set(pc.unique(index.column("shard")).to_pylist()) if index.num_rows else set()
     for name in sorted(referenced - shards_on_disk):
         problems.append(f"index references missing shard {name}")
     problems += _rows_within_segments(index, manifest)
     hashed = 0
     if (headers or checksums) and index.num_rows:
-        segs = _segments(index)
-        rows_of = np.split(segs.order, segs.first[1:]) if checksums else []
-        seg_rows = np.full(len(segs.first), -1, np.int64)  # each segment's rows (T); -1: unread
-        verdicts: dict = {}  # Header (by identity: one per distinct header) -> (problem, T)
-        files = ShardFiles(root / SHARDS_DIR, max_open=8)
-        fd, fd_name, size = -1, None, 0
-        for i in range(len(segs.first)):
-            name = segs.names[segs.shard[i]]
-            if name not in shards_on_disk:
-                continue
-            seg_off, seg_len = int(segs.offset[i]), int(segs.length[i])
-            where = f"{name}" + (f" @ byte {seg_off}" if seg_off else "")
-            try:
-                if name != fd_name:
-                    if fd >= 0:
-                        os.close(fd)
-                    fd, fd_name = -1, None
-                    fd_path = root / SHARDS_DIR / name
-                    fd = os.open(fd_path, os.O_RDONLY)
-                    fd_name, size = name, os.fstat(fd).st_size
-                hdr, data = read_header(fd, fd_path, seg_off, size)
-            except Exception as e:  # an unreadable shard is a finding, not a crash
-                problems.append(f"{where}: unreadable ({type(e).__name__}: {e})")
-                continue
-            end = data + hdr.data_bytes
-            if seg_len >= 0 and end != seg_off + seg_len:
-                problems.append(f"{where}: the segment ends at byte {end}, the index says "
-                                f"{seg_off + seg_len}")
-                continue
-            v = verdicts.get(hdr)
-            if v is None:
-                problem = _header_problem(hdr, expected_keys, manifest)
-                v = verdicts[hdr] = (problem, 0 if problem else hdr.tensors["input_ids"].shape[0])
-            if v[0] is not None:
-                problems.append(f"{where}: {v[0]}")
-                continue
-            seg_rows[i] = v[1]
-            if not checksums:
-                continue
-            rows = rows_of[i]
-            T = v[1]
-            a, n = offsets[rows], ntok[rows]
-            ok_rows = rows[(a >= 0) & (a + n <= T)]
-            seg = files.segment(name, seg_off)
-            keys = sorted(seg.keys())
-            sums = index.column("checksum").take(pa.array(ok_rows)).to_pylist()
-            sids = index.column("sample_id").take(pa.array(ok_rows)).to_pylist()
-            try:
-                for r, want, sid in zip(ok_rows, sums, sids):
-                    a0, n0 = int(offsets[r]), int(ntok[r])
-                    parts = [tensor_bytes(seg.rows(k, a0, a0 + n0)) for k in keys]
-                    hashed += sum(p.nbytes for p in parts)
-                    if sample_checksum(parts) != want:
-                        problems.append(f"{sid}: checksum mismatch in {where}")
-            except Exception as e:
-                problems.append(f"{where}: unreadable ({type(e).__name__}: {e})")
-        if fd >= 0:
-            os.close(fd)
-        files.close()
-        # every row inside its segment's T rows, for all read segments at once
-        T = seg_rows[segs.seg_of_row]
-        bad = np.flatnonzero((T >= 0) & ((offsets < 0) | (offsets + ntok > T)))
-        ids = index.column("sample_id")
-        for r in bad:
-            i = segs.seg_of_row[r]
-            name, seg_off = segs.names[segs.shard[i]], int(segs.offset[i])
-            where = f"{name}" + (f" @ byte {seg_off}" if seg_off else "")
-            problems.append(f"{ids[int(r)].as_py()}: rows [{offsets[r]}, {offsets[r] + ntok[r]}) "
-                            f"outside {where} ({T[r]} rows)")
+        hashed = _check_segments(root, index, manifest, shards_on_disk, checksums, problems)
     lay = layout(root, index)
     problems += lay.problems
     paths, tails = interrupted_writes(root, referenced, lay)
@@ -290,6 +219,111 @@ def verify_store(root: str | Path, *, checksums: bool = True, headers: bool = Tr
             "problems": problems, "orphans": orphans, "interrupted": interrupted,
             "ok": not problems and not orphans, "bytes_hashed": hashed,
             "seconds": time.perf_counter() - t0}
+
+
+def _where(name: str, seg_off: int) -> str:
+    """How a problem names a segment: the shard, and the byte it starts at unless 0."""
+    return f"{name}" + (f" @ byte {seg_off}" if seg_off else "")
+
+
+def _check_segments(root: Path, index: pa.Table, manifest: StoreManifest, shards_on_disk: set[str],
+                    checksums: bool, problems: list[str]) -> int:
+    """Read each segment's header (with `checksums` also hash its rows), appending what is
+    wrong to `problems`; returns the bytes hashed."""
+    expected_keys = stored_tensors(manifest.dtype)
+    offsets = index.column("offset").to_numpy()
+    ntok = index.column("num_tokens").to_numpy().astype(np.int64)
+    hashed = 0
+    segs = _segments(index)
+    rows_of = np.split(segs.order, segs.first[1:]) if checksums else []
+    seg_rows = np.full(len(segs.first), -1, np.int64)  # each segment's rows (T); -1: unread
+    verdicts: dict = {}  # Header (by identity: one per distinct header) -> (problem, T)
+    files = ShardFiles(root / SHARDS_DIR, max_open=8)
+    fd, fd_name, size = -1, None, 0
+    for i in range(len(segs.first)):
+        name = segs.names[segs.shard[i]]
+        if name not in shards_on_disk:
+            continue
+        seg_off, seg_len = int(segs.offset[i]), int(segs.length[i])
+        where = _where(name, seg_off)
+        try:
+            if name != fd_name:
+                if fd >= 0:
+                    os.close(fd)
+                fd, fd_name = -1, None
+                fd_path = root / SHARDS_DIR / name
+                fd = os.open(fd_path, os.O_RDONLY)
+                fd_name, size = name, os.fstat(fd).st_size
+            hdr, data = read_header(fd, fd_path, seg_off, size)
+        except Exception as e:  # an unreadable shard is a finding, not a crash
+            problems.append(f"{where}: unreadable ({type(e).__name__}: {e})")
+            continue
+        problem, T = _segment_verdict(hdr, data, seg_off, seg_len, verdicts, expected_keys, manifest)
+        if problem is not None:
+            problems.append(f"{where}: {problem}")
+            continue
+        seg_rows[i] = T
+        if not checksums:
+            continue
+        hashed += _check_checksums(files, index, name, seg_off, where, rows_of[i], T, offsets, ntok,
+                                   problems)
+    if fd >= 0:
+        os.close(fd)
+    files.close()
+    problems += _rows_outside_segments(index, segs, seg_rows, offsets, ntok)
+    return hashed
+
+
+def _segment_verdict(hdr, data: int, seg_off: int, seg_len: int, verdicts: dict, expected_keys: set,
+                     manifest: StoreManifest) -> tuple[str | None, int]:
+    """(What is wrong with a segment whose header was read, or None; its rows T)."""
+    end = data + hdr.data_bytes
+    if seg_len >= 0 and end != seg_off + seg_len:
+        return (f"the segment ends at byte {end}, the index says {seg_off + seg_len}", 0)
+    v = verdicts.get(hdr)
+    if v is None:
+        problem = _header_problem(hdr, expected_keys, manifest)
+        v = verdicts[hdr] = (problem, 0 if problem else hdr.tensors["input_ids"].shape[0])
+    return v
+
+
+def _check_checksums(files: ShardFiles, index: pa.Table, name: str, seg_off: int, where: str,
+                     rows: np.ndarray, T: int, offsets: np.ndarray, ntok: np.ndarray,
+                     problems: list[str]) -> int:
+    """Hash the segment's in-bounds rows against their index checksums, appending mismatches
+    to `problems`; returns the bytes hashed."""
+    hashed = 0
+    a, n = offsets[rows], ntok[rows]
+    ok_rows = rows[(a >= 0) & (a + n <= T)]
+    seg = files.segment(name, seg_off)
+    keys = sorted(seg.keys())
+    sums = index.column("checksum").take(pa.array(ok_rows)).to_pylist()
+    sids = index.column("sample_id").take(pa.array(ok_rows)).to_pylist()
+    try:
+        for r, want, sid in zip(ok_rows, sums, sids):
+            a0, n0 = int(offsets[r]), int(ntok[r])
+            parts = [tensor_bytes(seg.rows(k, a0, a0 + n0)) for k in keys]
+            hashed += sum(p.nbytes for p in parts)
+            if sample_checksum(parts) != want:
+                problems.append(f"{sid}: checksum mismatch in {where}")
+    except Exception as e:
+        problems.append(f"{where}: unreadable ({type(e).__name__}: {e})")
+    return hashed
+
+
+def _rows_outside_segments(index: pa.Table, segs: _Segments, seg_rows: np.ndarray, offsets: np.ndarray,
+                           ntok: np.ndarray) -> list[str]:
+    """The rows that lie outside their segment's T rows, for all read segments at once."""
+    problems: list[str] = []
+    T = seg_rows[segs.seg_of_row]
+    bad = np.flatnonzero((T >= 0) & ((offsets < 0) | (offsets + ntok > T)))
+    ids = index.column("sample_id")
+    for r in bad:
+        i = segs.seg_of_row[r]
+        where = _where(segs.names[segs.shard[i]], int(segs.offset[i]))
+        problems.append(f"{ids[int(r)].as_py()}: rows [{offsets[r]}, {offsets[r] + ntok[r]}) "
+                        f"outside {where} ({T[r]} rows)")
+    return problems
 
 
 def _header_problem(hdr, expected_keys: set, manifest: StoreManifest) -> str | None:

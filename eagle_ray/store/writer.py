@@ -133,33 +133,14 @@ class StoreWriter:
 
     def write_shard(self, samples: list[SampleFeatures]) -> pa.Table:
         """Write samples as one shard and commit their index rows. Returns the rows."""
-        import torch
         from safetensors.torch import save
 
         if not samples:
             return INDEX_SCHEMA.empty_table()
         self._check_lease()
         m = self.manifest
-        A, H = len(m.aux_layer_ids), m.hidden_size
-        for s in samples:
-            T = len(s.input_ids)
-            assert s.aux.shape == (T, A * H) and s.final.shape == (T, H), (s.aux.shape, s.final.shape, T)
-        ids = torch.from_numpy(np.concatenate([np.asarray(s.input_ids, np.int32) for s in samples]))
-        mask = torch.from_numpy(np.concatenate([np.asarray(s.loss_mask, np.uint8) for s in samples]))
-        tensors = encode(torch.cat([s.aux for s in samples]), torch.cat([s.final for s in samples]),
-                         m.dtype, A)
-        tensors.update(input_ids=ids, loss_mask=mask)
-
-        rows, offset = [], 0
-        for s in samples:
-            T = len(s.input_ids)
-            checksum = sample_checksum([tensor_bytes(tensors[k][offset:offset + T])
-                                        for k in sorted(tensors)])
-            rows.append({"sample_id": s.sample_id, "source": s.source, "offset": offset,
-                         "num_tokens": T, "num_loss_tokens": int(np.asarray(s.loss_mask).sum()),
-                         "truncated": s.num_tokens_untruncated > T,
-                         "num_tokens_untruncated": s.num_tokens_untruncated, "checksum": checksum})
-            offset += T
+        tensors = self._tensors(samples)
+        rows = _index_rows(samples, tensors)
 
         data = save(tensors, metadata={"schema_version": str(m.schema_version), "dtype": m.dtype})
         name = f"{self.writer_id}-{self.seq:05d}"
@@ -174,6 +155,31 @@ class StoreWriter:
             r["shard_offset"] = start
             r["segment_bytes"] = len(data)
         table = pa.Table.from_pylist(rows, schema=INDEX_SCHEMA)
+        self._commit(data, table, shard, part, start, new)
+        self._shard, self._shard_end = shard, start + len(data)
+        self._maybe_compact()
+        return table
+
+    def _tensors(self, samples: list[SampleFeatures]) -> dict:
+        """The batch's storage tensors, all samples' rows concatenated (shapes checked)."""
+        import torch
+
+        m = self.manifest
+        A, H = len(m.aux_layer_ids), m.hidden_size
+        for s in samples:
+            T = len(s.input_ids)
+            assert s.aux.shape == (T, A * H) and s.final.shape == (T, H), (s.aux.shape, s.final.shape, T)
+        ids = torch.from_numpy(np.concatenate([np.asarray(s.input_ids, np.int32) for s in samples]))
+        mask = torch.from_numpy(np.concatenate([np.asarray(s.loss_mask, np.uint8) for s in samples]))
+        tensors = encode(torch.cat([s.aux for s in samples]), torch.cat([s.final for s in samples]),
+                         m.dtype, A)
+        tensors.update(input_ids=ids, loss_mask=mask)
+        return tensors
+
+    def _commit(self, data: bytes, table: pa.Table, shard: Path, part: Path, start: int,
+                new: bool) -> None:
+        """Write the segment and the index part in the crash-safe order (module doc) and commit
+        them; on failure remove what was written and raise (StoreWriteError for an OSError)."""
         shard_tmp = shard.with_name(f".{shard.name}.tmp")
         part_tmp = part.with_name(f".{part.name}.tmp")
         appended = False
@@ -203,25 +209,16 @@ class StoreWriter:
             fsync_dir(part.parent)
             self.committed += 1
         except BaseException as e:
-            # ENOSPC and friends: leave nothing half-written. A new shard whose index part
-            # did not land is garbage, so is an appended tail; remove them now rather than
-            # leave them for repair.
-            if appended and not part.exists():
-                try:  # before the temporary part goes: a tail without one reads as damage
-                    os.truncate(shard, start)
-                except OSError:
-                    pass  # the tail stays an interrupted write for the next sweep
-            for p in (shard_tmp, part_tmp):
-                p.unlink(missing_ok=True)
-            if not part.exists() and new:
-                shard.unlink(missing_ok=True)
+            _remove_uncommitted(shard, shard_tmp, part, part_tmp, start, new, appended)
             if isinstance(e, OSError):
                 raise StoreWriteError(
                     f"writing {shard} failed ({e.strerror or e}); nothing of this batch was "
                     f"committed. Free space on {self.root} (or fix the file system) and re-run "
                     "`eagle-ray extract`: it resumes where it stopped") from e
             raise
-        self._shard, self._shard_end = shard, start + len(data)
+
+    def _maybe_compact(self) -> None:
+        """Compact the index every `compact_every` commits; a failure is only logged."""
         if self.compact_every and self.committed % self.compact_every == 0:
             from eagle_ray.store.compact import compact
 
@@ -230,7 +227,39 @@ class StoreWriter:
             except OSError as e:
                 logger.warning("%s: index compaction skipped (%s); the parts stay readable",
                                self.root, e.strerror or e)
-        return table
+
+
+def _index_rows(samples: list[SampleFeatures], tensors: dict) -> list[dict]:
+    """Each sample's index row (its rows in the segment, token counts, checksum), without
+    its shard placement."""
+    rows, offset = [], 0
+    for s in samples:
+        T = len(s.input_ids)
+        checksum = sample_checksum([tensor_bytes(tensors[k][offset:offset + T])
+                                    for k in sorted(tensors)])
+        rows.append({"sample_id": s.sample_id, "source": s.source, "offset": offset,
+                     "num_tokens": T, "num_loss_tokens": int(np.asarray(s.loss_mask).sum()),
+                     "truncated": s.num_tokens_untruncated > T,
+                     "num_tokens_untruncated": s.num_tokens_untruncated, "checksum": checksum})
+        offset += T
+    return rows
+
+
+def _remove_uncommitted(shard: Path, shard_tmp: Path, part: Path, part_tmp: Path, start: int, new: bool,
+                        appended: bool) -> None:
+    """Remove what a failed write left: its temporary files, a new shard or an appended tail."""
+    # ENOSPC and friends: leave nothing half-written. A new shard whose index part
+    # did not land is garbage, so is an appended tail; remove them now rather than
+    # leave them for repair.
+    if appended and not part.exists():
+        try:  # before the temporary part goes: a tail without one reads as damage
+            os.truncate(shard, start)
+        except OSError:
+            pass  # the tail stays an interrupted write for the next sweep
+    for p in (shard_tmp, part_tmp):
+        p.unlink(missing_ok=True)
+    if not part.exists() and new:
+        shard.unlink(missing_ok=True)
 
 
 def sweep_interrupted(root: str | Path) -> list[str]:

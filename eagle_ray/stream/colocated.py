@@ -13,7 +13,7 @@ per batch
 
 and returns the committed index rows (small) to the driver. The conversations are written
 before their features commit, so a committed sample always has its conversation on disk,
-and both stages resume per sample, as in the separate-pools placement (eagle_ray/stream/separate.py).
+and both stages resume per sample, as in the separate-pools placement (eagle_ray/stream/separate.py; the entry of both: run.py).
 
 Why a prefill after generation and not capture DURING generation: vLLM can save a
 generation request's states (`kv_transfer_params={"include_output_tokens": True}`), but

@@ -48,7 +48,7 @@ def staged(tmp_path_factory, ray_cluster, tiny_target_dir):
 def test_streamed_equals_staged_and_resumes_both_stages(tmp_path, staged, placement):
     from eagle_ray.extract.run import run_extract
     from eagle_ray.generate.run import run_generate
-    from eagle_ray.stream.separate import run_generate_extract
+    from eagle_ray.stream.run import run_generate_extract
 
     r = load_recipe("tiny_cpu", SETS + placement)
     # A partial earlier run (staged commands): half the prompts generated, a quarter extracted.
