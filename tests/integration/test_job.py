@@ -260,7 +260,10 @@ def test_scale_extractors_while_the_job_runs(head, tmp_path):
     assert "desired 1" in shown, shown
     print(f"scale up visible after {t_up:.0f}s, down after {t_down:.0f}s; "
           f"{before} then {mid} samples committed at the two changes")
-    # Extraction must still have been running when the pool went back to 1.
+    # Extraction must still have been running when the pool went back to 1. Its own deadline:
+    # the whole test took ~4 min in CI before; on a slower machine (import vllm 11 s, not 7)
+    # extracting the 2,400 samples, one a batch, took ~11 min and a 300 s wait failed it.
+    deadline = time.time() + 1200
     while time.time() < deadline and "generate+extract (streamed" not in client.get_job_logs(sid):
         time.sleep(1)
     logs = client.get_job_logs(sid)
