@@ -137,6 +137,27 @@ def run_extract(recipe: Recipe, conversations: str | Path, store_dir: str | Path
         return _extract_into(recipe, table, store, model_dir, manifest, t0)
 
 
+def drain_committed(recipe: Recipe, ds, manifest: StoreManifest, label: str, total: int, start: int,
+                    log: logging.Logger) -> tuple[int, int]:
+    """Run an extraction dataset to its end, counting, recording (dashboard metrics) and
+    reporting progress of the committed rows it yields: (samples, tokens) this run."""
+    from eagle_ray.common.progress import Progress
+    from eagle_ray.ops.metrics import record_committed
+    from eagle_ray.plan.budget import store_bytes_per_token
+
+    n = n_tok = 0
+    per_tok = store_bytes_per_token(recipe.target, recipe.storage.dtype)
+    prog = Progress(label, total, start=start, interval_s=recipe.generate.progress_interval_s, logger=log)
+    for rows in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+        n += rows.num_rows
+        tok = pc.sum(rows.column("num_tokens")).as_py() or 0
+        n_tok += tok
+        record_committed(rows, manifest)
+        prog.update(rows.num_rows, tokens=tok, bytes=tok * per_tok)
+    prog.close()
+    return n, n_tok
+
+
 def _extract_into(recipe: Recipe, table, store: Path, model_dir: Path, manifest: StoreManifest,
                   t0: float) -> ExtractResult:
     import ray
@@ -158,7 +179,6 @@ def _extract_into(recipe: Recipe, table, store: Path, model_dir: Path, manifest:
         check_budget(recipe, num_samples=todo.num_rows,
                      avg_tokens=max(1.0, todo_tokens / todo.num_rows), out_dir=store)
         from eagle_ray.ops.cluster import init_ray
-        from eagle_ray.ops.metrics import record_committed
 
         init_ray()
         from eagle_ray.ops.control import start_control
@@ -168,19 +188,7 @@ def _extract_into(recipe: Recipe, table, store: Path, model_dir: Path, manifest:
         todo = todo.select(list(INPUT_COLUMNS))
         blocks = [todo.slice(i, e.batch_size) for i in range(0, todo.num_rows, e.batch_size)]
         ds = extraction_dataset(recipe, ray.data.from_arrow(blocks), store, model_dir, manifest)
-        from eagle_ray.common.progress import Progress
-        from eagle_ray.plan.budget import store_bytes_per_token
-
-        per_tok = store_bytes_per_token(recipe.target, recipe.storage.dtype)
-        prog = Progress("extract", table.num_rows, start=skipped,
-                        interval_s=recipe.generate.progress_interval_s, logger=logger)
-        for rows in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-            extracted += rows.num_rows
-            tok = pc.sum(rows.column("num_tokens")).as_py() or 0
-            tokens += tok
-            record_committed(rows, manifest)
-            prog.update(rows.num_rows, tokens=tok, bytes=tok * per_tok)
-        prog.close()
+        extracted, tokens = drain_committed(recipe, ds, manifest, "extract", table.num_rows, skipped, logger)
     logger.info("extract: %d samples, %d tokens this run in %.1fs -> %s", extracted, tokens,
                 time.time() - t0, store)
     return ExtractResult(store=store, samples_total=table.num_rows, skipped_done=skipped,

@@ -132,7 +132,9 @@ def _stream(recipe: Recipe, prompts: Path, parts_dir: Path, store: Path, model_d
 
         ds = separate_dataset(recipe, prompts, parts_dir, store, model_dir, manifest, generated, skip,
                               leftover, n_todo, n_left)
-    n_ext, n_tok = _drain(recipe, ds, manifest, total, len(committed))
+    from eagle_ray.extract.run import drain_committed
+
+    n_ext, n_tok = drain_committed(recipe, ds, manifest, "generate+extract", total, len(committed), logger)
     compact_parts(parts_dir, blocking=False)
     n_gen = len(done_prompts(parts_dir)) - len(generated)
     return n_gen, n_ext, n_tok, len(committed)
@@ -183,23 +185,3 @@ def _start_ray(recipe: Recipe) -> None:
     # pools; a slow extractor pool stalls generation instead of piling up blocks.
     ctx.execution_options.resource_limits = ExecutionResources(
         object_store_memory=recipe.extract.stream_bytes_in_flight)
-
-
-def _drain(recipe: Recipe, ds, manifest, total: int, committed_before: int) -> tuple[int, int]:
-    """Run the pipeline to its end, counting and recording the committed rows: (samples, tokens)."""
-    from eagle_ray.common.progress import Progress
-    from eagle_ray.ops.metrics import record_committed
-    from eagle_ray.plan.budget import store_bytes_per_token
-
-    n_ext = n_tok = 0
-    per_tok = store_bytes_per_token(recipe.target, recipe.storage.dtype)
-    prog = Progress("generate+extract", total, start=committed_before,
-                    interval_s=recipe.generate.progress_interval_s, logger=logger)
-    for rows in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-        n_ext += rows.num_rows
-        tok = pc.sum(rows.column("num_tokens")).as_py() or 0
-        n_tok += tok
-        record_committed(rows, manifest)
-        prog.update(rows.num_rows, tokens=tok, bytes=tok * per_tok)
-    prog.close()
-    return n_ext, n_tok
