@@ -1,4 +1,4 @@
-.PHONY: setup demo test test-fast lint bench
+.PHONY: setup demo test test-all test-fast lint bench
 # Ray's anonymous usage stats stay off; vLLM must not reach for a model hub.
 export RAY_USAGE_STATS_ENABLED=0
 export HF_HUB_OFFLINE=1
@@ -14,7 +14,13 @@ demo: setup
 # workers); two files side by side thrashed (the same suite took 64 min with -n 2, 42 serial),
 # and one session shares its built pipelines across files.
 PYTEST_ARGS ?= -q
+# CI's suite: everything but the long scenario runs (pytest marker `long`; README, Tests).
 test: lint
+	.venv/bin/python -m pytest $(PYTEST_ARGS) -m "not long" tests
+
+# Everything, the long scenario runs included (~90 min on 2 cores): before a release, and after
+# a change to what a long test alone covers (README, Tests).
+test-all: lint
 	.venv/bin/python -m pytest $(PYTEST_ARGS) tests
 
 # pyproject.toml [tool.ruff]: no private member of another object, a complexity ceiling.
