@@ -33,7 +33,6 @@ import copy
 import gc
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ import torch
 
 from eagle_ray.model.drafter import Eagle3Drafter, drafter_arch_from
 from eagle_ray.model.vocab import build_draft_vocab
+from eagle_ray.job.launch import free_port  # stdlib only: no Ray here
 
 SMOL = dict(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152)
 KIMI = dict(hidden=7168, heads=64, kv_heads=64, head_dim=128, intermediate=18432, vocab=163840)
@@ -137,12 +137,6 @@ def check_correctness(res: dict, smoke: bool) -> None:
 
 
 # --------------------------------------------------------------------------- b. nccl + DDP
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_ddp(res: dict, smoke: bool) -> None:

@@ -127,33 +127,3 @@ def train_killed_at(args: list[str], run, step: int, ray_address: str, last: int
 def kill_training():
     return train_killed_at
 
-
-# The long scenario runs (marker `long`): left out of `make test` (CI), run by `make test-all`.
-# Measured on 2 cores (2026-12-04, whole integration suite 4,814 s): these 2,771 s. Each is a
-# larger, slower or second form of a behaviour the CI suite still checks more cheaply (README,
-# Tests, lists what checks each).
-LONG = {
-    "test_kimi_pipeline.py": None,  # the whole file: the twin's job (530 s) and what reads it
-    "test_export_evaluate.py": {"test_two_layer_drafter_is_served_by_vllm_as_trained",
-                                "test_runtime_check_reaches_the_drafter_with_tensor_parallel_2"},
-    "test_generate.py": {"test_samples_per_prompt_killed_and_resumed_exactly",
-                         "test_resume_after_kill_gives_same_output"},
-    "test_job.py": {"test_scale_extractors_while_the_job_runs"},
-    "test_online.py": {"test_killed_online_run_resumes_to_the_offline_weights_and_writes_no_features",
-                       "test_online_job_end_to_end_and_resubmitted"},
-    "test_sampler.py": {"test_distribution_test_passes_alike_and_fails_otherwise"},
-    "test_faults.py": {"test_signal_to_a_running_extract_is_one_line_with_what_was_kept[2]",
-                       "test_damaged_generation_part_is_redone_not_extracted_twice",
-                       "test_full_disk_while_writing_a_checkpoint_is_one_line_and_resumes"},
-    "test_extract.py": {"test_sigkill_mid_run_then_resume_with_new_bounds[hf]"},
-    "test_train.py": {"test_killed_run_resumes_to_the_same_weights"},
-    "test_stream.py": {"test_a_successful_streamed_run_prints_no_error_and_no_traceback"},
-    "test_notebooks.py": {"test_02_operate_a_running_job"},
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        names = LONG.get(item.path.name, set())
-        if names is None or item.name in names:
-            item.add_marker(pytest.mark.long)

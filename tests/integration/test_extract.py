@@ -98,7 +98,7 @@ def test_vllm_backend_equals_hf_backend(hf_store, vllm_store):
     assert worst < 1e-3
 
 
-@pytest.mark.parametrize("backend", ["hf", "vllm"])
+@pytest.mark.parametrize("backend", [pytest.param("hf", marks=pytest.mark.long), "vllm"])
 def test_sigkill_mid_run_then_resume_with_new_bounds(backend, request, conversations, ray_cluster,
                                                      tmp_path):
     reference = request.getfixturevalue(f"{backend}_store")  # the same data, one clean run

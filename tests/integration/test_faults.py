@@ -311,6 +311,7 @@ def test_stale_cluster_record_fails_fast(base, tmp_path):
 
 # --- faults a person can act on: one line naming the cause and the way out ---------------
 
+@pytest.mark.long  # make test-all (README, Tests)
 def test_full_disk_while_writing_a_checkpoint_is_one_line_and_resumes(base, tmp_path):
     """The disk fills while rank 0 writes checkpoint step 2: torch.save's zip writer fails
     with its own words and no errno (what a full disk does to it); the filesystem reports no
@@ -347,6 +348,7 @@ def test_full_disk_while_writing_a_checkpoint_is_one_line_and_resumes(base, tmp_
     assert steps == [0, 1, 2], steps  # resumed from step 1: step 2 once
 
 
+@pytest.mark.long  # make test-all (README, Tests)
 def test_damaged_generation_part_is_redone_not_extracted_twice(base, tmp_path):
     """A truncated generate/parts/part-*.parquet: the re-run moves it to parts/damaged/ with a
     warning, generates its prompts again, and does not extract samples already in the store
@@ -375,7 +377,7 @@ def test_damaged_generation_part_is_redone_not_extracted_twice(base, tmp_path):
     assert again.column("completion_token_ids").to_pylist() == ref.column("completion_token_ids").to_pylist()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.long)])
 def test_signal_to_a_running_extract_is_one_line_with_what_was_kept(base, tmp_path, sig):
     """`kill` (SIGTERM) and Ctrl-C (SIGINT) to `eagle-ray extract` mid-run: within seconds,
     exit 128+signal and one line naming the signal, the committed samples and the way on; no

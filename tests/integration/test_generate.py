@@ -137,6 +137,7 @@ def _killed_mid_run(prompts_dir, out, overrides, ray_cluster, parts: int, limit:
     return cmd, env
 
 
+@pytest.mark.long  # make test-all (README, Tests)
 def test_resume_after_kill_gives_same_output(full_run, prompts_dir, ray_cluster, tmp_path):
     _, ref_out = full_run
     out = tmp_path / "killed"
@@ -167,6 +168,7 @@ def test_resume_after_kill_gives_same_output(full_run, prompts_dir, ray_cluster,
     assert b.num_rows + len(ref_rejects) == 56
 
 
+@pytest.mark.long  # make test-all (README, Tests)
 def test_samples_per_prompt_killed_and_resumed_exactly(prompts_dir, ray_cluster, tmp_path):
     """generate.samples_per_prompt=4: four samples per prompt with ids <prompt>#<j>, each
     ending once in conversations or rejects; a run SIGKILLed mid-way and resumed equals an

@@ -227,6 +227,7 @@ def _cli(*args, address, timeout=180):
     return p.stdout
 
 
+@pytest.mark.long  # make test-all (README, Tests)
 def test_scale_extractors_while_the_job_runs(head, tmp_path):
     """`eagle-ray scale extract 2`, then `1`, while the submitted job extracts: the running
     replica is kept, the store equals an unscaled extraction's."""

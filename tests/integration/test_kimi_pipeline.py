@@ -11,7 +11,8 @@ import json
 import pytest
 from test_notebooks import _images, kernel_name, run_notebook  # noqa: F401 (kernel_name: a fixture)
 
-pytestmark = pytest.mark.integration
+# Long (make test-all): the twin's whole job (530 s) and what reads it; test_kimi_twin.py stays in CI.
+pytestmark = [pytest.mark.integration, pytest.mark.long]
 
 
 def test_whole_pipeline_on_the_kimi_twin(finished_run):

@@ -148,6 +148,7 @@ def test_01_data_and_plan(tmp_path, kernel_name, tiny_target_dir):
     assert seconds < 300
 
 
+@pytest.mark.long  # make test-all (README, Tests)
 def test_02_operate_a_running_job(tmp_path, kernel_name, tiny_target_dir):
     out = tmp_path / "out"
     try:

@@ -43,6 +43,7 @@ def _weights(run: Path) -> dict:
     return load_file(str(ckpt / "model.safetensors"))
 
 
+@pytest.mark.long  # make test-all (README, Tests)
 def test_killed_online_run_resumes_to_the_offline_weights_and_writes_no_features(
         offline, tmp_path, ray_cluster, kill_training):
     """Killed after its step-4 checkpoint, the online run resumes there (re-extracting from
@@ -106,6 +107,7 @@ OVERRIDES = ["train.max_steps=60", "train.eval_interval=60", "train.ckpt_interva
              "evaluate.seeds=0", "evaluate.prompts=24"]
 
 
+@pytest.mark.long  # make test-all (README, Tests)
 def test_online_job_end_to_end_and_resubmitted(tmp_path, ray_cluster):
     """The end-to-end job with --online on the sample data: ingest, generate, online
     training, export, check (reference features captured again), evaluate; no store and no

@@ -67,6 +67,7 @@ def test_target_drafting_for_itself_is_accepted_as_predicted(prompts, tiny_targe
     assert g["mean_acceptance_length"] == pytest.approx(predicted, rel=0.10)
 
 
+@pytest.mark.long  # make test-all (README, Tests)
 def test_distribution_test_passes_alike_and_fails_otherwise(prompts, tiny_target_dir, monkeypatch):
     """The distribution test on real vLLM samples at the serving profile: the target drafting
     for itself (probabilistic) vs plain generation passes; the target drafting for itself

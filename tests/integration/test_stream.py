@@ -119,6 +119,7 @@ def test_cli_generate_extract(tmp_path, staged, capsys):
     assert "0 prompts generated, 0 samples" in capsys.readouterr().out
 
 
+@pytest.mark.long  # make test-all (README, Tests)
 def test_a_successful_streamed_run_prints_no_error_and_no_traceback(tmp_path, staged):
     """`eagle-ray generate-extract` as a user runs it (its own process, the generation
     replicas' engine cores in processes of their own, as in the demo): the whole console

@@ -88,6 +88,7 @@ def _weights_changed(w, run):
     return any(v.dtype.is_floating_point and v.abs().sum() > 0 for v in w.values())
 
 
+@pytest.mark.long  # make test-all (README, Tests)
 def test_killed_run_resumes_to_the_same_weights(store, tmp_path, ray_cluster, kill_training):
     from eagle_ray.train.run import run_train
 
