@@ -28,7 +28,8 @@ import pyarrow.parquet as pq
 
 from eagle_ray.common.atomic import AtomicFile, fsync_dir
 from eagle_ray.common.logs import display_path
-from eagle_ray.data.formats import Reject, canon_encode, loads_line, parse_record, type_name, canonical_json
+from eagle_ray.data.formats import (Reject, canon_encode, canonical_json, loads_line, parse_record,
+                                    tools_json, type_name)
 from eagle_ray.data.mix import SourceSpec, check_sources, source_selection, shuffle_mix
 from eagle_ray.data.validate import (
     UTF8_BOM,
@@ -72,6 +73,8 @@ PROMPTS_SCHEMA = pa.schema(
         pa.field("reference", pa.string(), nullable=True),
         pa.field("num_turns", pa.int32(), nullable=False),
         pa.field("content_hash", pa.string(), nullable=False),
+        # JSON list of the request's function specs (key order as logged), null: no tools.
+        pa.field("tools", pa.string(), nullable=True),
     ]
 )
 
@@ -190,6 +193,7 @@ class _Ingestor:
         self.a_ref: list[bytes | None] = []
         self.a_turns: list[int] = []
         self.a_hash: list[str] = []
+        self.a_tools: list[str | None] = []
         self.seen: dict[str, int] = {}  # content_hash -> index in the a_* lists
         self.ranges: list[tuple[int, int]] = []
         self.lines_total = 0
@@ -226,13 +230,16 @@ class _Ingestor:
         """One parsed record of source `si`: validated and canonicalized, then kept, counted
         as a duplicate of the first copy, or rejected with its reason (`chunk`: its bytes)."""
         try:
-            prompt, ref, fmt = parse_record(obj)
+            prompt, ref, fmt, tools = parse_record(obj)
             # UTF-8 bytes from here on: hashed as they are, and Arrow takes them
             # without encoding each string again (or caching a copy in it).
             m = canon_encode(prompt).encode("utf-8")
             r = None if ref is None else canon_encode(ref).encode("utf-8")
-            # Equal to canonical_json(prompt, ref): sort_keys puts "messages" first.
-            h = hashlib.sha256(b'{"messages":' + m + b',"reference":' + (r or b"null") + b"}").hexdigest()
+            t = None if tools is None else b',"tools":' + canon_encode(tools).encode("utf-8")
+            # Equal to canonical_json(prompt, ref, tools): sort_keys puts "messages" first.
+            h = hashlib.sha256(b'{"messages":' + m + b',"reference":' + (r or b"null") + (t or b"")
+                               + b"}").hexdigest()
+            tj = tools_json(tools)
         except Reject as e:
             raw = strip_eol(chunk)
             self._reject(rejects, name, counts, lineno, line_start, e.code, e.message, raw, len(raw))
@@ -260,6 +267,7 @@ class _Ingestor:
         self.a_ref.append(r)
         self.a_turns.append(len(prompt))
         self.a_hash.append(h)
+        self.a_tools.append(tj)
 
     def read_source(self, si: int, size: int, rejects: _RowsFile, dups: _RowsFile) -> None:
         """One source, JSONL (a record per line) or one JSON array (ShareGPT's usual form):
@@ -452,6 +460,7 @@ class _Ingestor:
                 pa.array(self.a_ref, pa.binary()).cast(pa.string()).take(sel),
                 pa.array(self.a_turns, pa.int32()).take(sel),
                 hashes,
+                pa.array(self.a_tools, pa.string()).take(sel),
             ],
             schema=PROMPTS_SCHEMA,
         )

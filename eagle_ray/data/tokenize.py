@@ -49,23 +49,29 @@ def _eos_strings(tokenizer) -> list[str]:
     return strings
 
 
-def render_with_span(tokenizer, messages: Sequence[dict[str, Any]]) -> tuple[str, int, int]:
+def render_with_span(tokenizer, messages: Sequence[dict[str, Any]],
+                     tools: list[dict] | None = None) -> tuple[str, int, int]:
     """Full chat text and the [start, end) character span of the final assistant turn's
-    generated text (reasoning + answer + end-of-turn token)."""
-    return render_with_spans(tokenizer, [messages])[0]
+    generated text (reasoning + answer + tool calls + end-of-turn token)."""
+    return render_with_spans(tokenizer, [messages], [tools])[0]
 
 
-def render_with_spans(tokenizer, conversations: Sequence[Sequence[dict[str, Any]]]
+def render_with_spans(tokenizer, conversations: Sequence[Sequence[dict[str, Any]]],
+                      tools: Sequence[list[dict] | None] | None = None,
                       ) -> list[tuple[str, int, int]]:
-    """`render_with_span` of many conversations, rendered in two batched template calls."""
+    """`render_with_span` of many conversations (rows without tools in two batched template
+    calls). A final turn with tool calls ends at the template's end-of-turn token after the
+    calls; one without ends at its content's end (+ the end-of-turn token)."""
+    from eagle_ray.data.chat import render
+
     for messages in conversations:
         if not messages or messages[-1].get("role") != "assistant":
             raise ValueError("the last message must be the assistant turn to learn from")
     if not conversations:
         return []
-    prefixes = tokenizer.apply_chat_template([list(m[:-1]) for m in conversations],
-                                             tokenize=False, add_generation_prompt=True)
-    fulls = tokenizer.apply_chat_template([list(m) for m in conversations], tokenize=False)
+    prefixes = render(tokenizer, [list(m[:-1]) for m in conversations], tools,
+                      add_generation_prompt=True)
+    fulls = render(tokenizer, [list(m) for m in conversations], tools)
     eos_strings = _eos_strings(tokenizer)
     out = []
     for messages, prefix, full in zip(conversations, prefixes, fulls):
@@ -74,7 +80,20 @@ def render_with_spans(tokenizer, conversations: Sequence[Sequence[dict[str, Any]
                 "chat template is not prefix-stable: rendering the conversation does not start "
                 "with rendering its history plus the generation prompt, so the assistant span is "
                 "ambiguous")
-        content = messages[-1]["content"]
+        final = messages[-1]
+        if final.get("tool_calls"):
+            # The calls follow the content in tool-use templates: the turn ends at the first
+            # end-of-turn token after the content.
+            anchor = len(prefix) + len(final.get("content") or "")
+            ends = [(full.find(eos, anchor), eos) for eos in eos_strings]
+            ends = [(e, eos) for e, eos in ends if e >= 0]
+            if not ends:
+                raise ValueError("the final assistant turn's tool calls are not followed by an "
+                                 "end-of-turn token in the rendered template")
+            e, eos = min(ends)
+            out.append((full, len(prefix), e + len(eos)))
+            continue
+        content = final["content"]
         end = full.rfind(content)
         if end < len(prefix):
             raise ValueError("the final assistant content does not appear in the rendered template")
@@ -93,9 +112,9 @@ def _span_mask(offsets: np.ndarray, start: int, end: int) -> np.ndarray:
 
 
 def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]],
-                          max_seq_len: int) -> Tokenized:
+                          max_seq_len: int, tools: list[dict] | None = None) -> Tokenized:
     """input_ids and loss_mask for one conversation whose last message is the assistant turn."""
-    full, start, end = render_with_span(tokenizer, messages)
+    full, start, end = render_with_span(tokenizer, messages, tools)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(enc["input_ids"], dtype=np.int32)
     offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
@@ -115,7 +134,8 @@ def _offsets(tokenizer, texts: list[str]) -> list:
 
 
 def length_columns(tokenizer, messages_col: Sequence[str], reference_col: Sequence[str | None],
-                   max_seq_len: int, *, chunk: int = 8192) -> dict[str, list]:
+                   max_seq_len: int, *, chunk: int = 8192,
+                   tools_col: Sequence[str | None] | None = None) -> dict[str, list]:
     """Token counts per prompts.parquet row, for stats and planning (batched: a chunk's chat
     templates rendered in one call, encoded in one batch, counted with numpy).
 
@@ -125,24 +145,27 @@ def length_columns(tokenizer, messages_col: Sequence[str], reference_col: Sequen
     """
     from itertools import chain
 
+    from eagle_ray.data.chat import load_tools, render
+
     out: dict[str, list] = {"prompt_tokens": [], "num_tokens": [], "num_loss_tokens": [],
                             "truncated": []}
     for lo in range(0, len(messages_col), chunk):
         prompts = [json.loads(m) for m in messages_col[lo:lo + chunk]]
         refs = list(reference_col[lo:lo + chunk])
         n = len(prompts)
+        tools = [load_tools(t) for t in tools_col[lo:lo + chunk]] if tools_col is not None else [None] * n
         texts: list[str] = [""] * n
         span = np.zeros((n, 2), np.int64)
         bare = [i for i in range(n) if refs[i] is None]
         if bare:
-            rendered = tokenizer.apply_chat_template([prompts[i] for i in bare], tokenize=False,
-                                                     add_generation_prompt=True)
+            rendered = render(tokenizer, [prompts[i] for i in bare], [tools[i] for i in bare],
+                              add_generation_prompt=True)
             for i, text in zip(bare, rendered):
                 texts[i] = text
                 span[i] = len(text)
         full = [i for i in range(n) if refs[i] is not None]
         for i, (text, start, end) in zip(full, render_with_spans(
-                tokenizer, [prompts[i] + [json.loads(refs[i])] for i in full])):
+                tokenizer, [prompts[i] + [json.loads(refs[i])] for i in full], [tools[i] for i in full])):
             texts[i] = text
             span[i] = (start, end)
         offsets = _offsets(tokenizer, texts)
@@ -180,7 +203,7 @@ MIN_CLUSTER_CPUS = 4  # fewer: count in this process
 
 class LengthUDF:
     """Ray Data actor: the target's tokenizer, loaded once; a batch of prompts.parquet rows
-    (`messages`, `reference`, `_row`) -> their token-count columns and `_row`."""
+    (`messages`, `reference`, `tools`, `_row`) -> their token-count columns and `_row`."""
 
     def __init__(self, target, max_seq_len: int):
         self.tokenizer = load_tokenizer(target)
@@ -190,7 +213,8 @@ class LengthUDF:
         import pyarrow as pa
 
         cols = length_columns(self.tokenizer, batch.column("messages").to_pylist(),
-                              batch.column("reference").to_pylist(), self.max_seq_len)
+                              batch.column("reference").to_pylist(), self.max_seq_len,
+                              tools_col=batch.column("tools").to_pylist())
         return pa.table({"_row": batch.column("_row"),
                          **{k: pa.array(v, getattr(pa, LENGTH_TYPES[k])()) for k, v in cols.items()}})
 
@@ -205,7 +229,7 @@ def lengths_on_ray(recipe, table, workers: int):
     from eagle_ray.ops.cluster import init_ray
 
     init_ray()
-    src = table.select(["messages", "reference"]).append_column(
+    src = table.select(["messages", "reference", "tools"]).append_column(
         "_row", pa.array(np.arange(table.num_rows, dtype=np.int64)))
     ds = ray.data.from_arrow([src.slice(i, PARALLEL_CHUNK) for i in range(0, src.num_rows, PARALLEL_CHUNK)])
     ds = ds.map_batches(LengthUDF, fn_constructor_args=(recipe.target, recipe.data.max_seq_len),
@@ -251,13 +275,18 @@ def length_annotator(recipe, *, workers: int | None = None):
     tokenizer = load_tokenizer(recipe.target)
 
     def annotate(table: pa.Table) -> pa.Table:
+        if table.column("tools").null_count < table.num_rows:
+            from eagle_ray.data.chat import check_renders_tools
+
+            check_renders_tools(tokenizer, recipe.target.path)
         n = token_count_workers(table.num_rows, workers)
         if n > 1:
             cols = lengths_on_ray(recipe, table, n)
         else:
             cols = {k: pa.array(v, getattr(pa, LENGTH_TYPES[k])()) for k, v in length_columns(
                 tokenizer, table.column("messages").to_pylist(),
-                table.column("reference").to_pylist(), recipe.data.max_seq_len).items()}
+                table.column("reference").to_pylist(), recipe.data.max_seq_len,
+                tools_col=table.column("tools").to_pylist()).items()}
         for name, values in cols.items():
             table = table.append_column(name, values)
         return table

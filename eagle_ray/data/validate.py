@@ -9,7 +9,9 @@ Reject reason codes (the ``reason`` field of ``rejects.jsonl``; stable):
 * read loop (ingest.py): ``line_too_long`` (over ``max_line_bytes``), ``blank_line``,
   ``invalid_utf8``, ``invalid_json``, ``invalid_unicode`` (a lone UTF-16 surrogate escape)
 * formats (formats.py): ``not_an_object``, ``unknown_format``, ``bad_type``,
-  ``unknown_role``, ``non_text_part``, ``empty_content``, ``no_user_turn``, ``bad_order``
+  ``unknown_role``, ``non_text_part``, ``empty_content``, ``no_user_turn``, ``bad_order``,
+  ``bad_tools``, ``bad_tool_call``, ``bad_arguments``, ``orphan_tool_result``,
+  ``missing_tool_result``
 
 A UTF-8 BOM is skipped at the start of a file only; lines may end in ``\\n`` or ``\\r\\n``
 (or nothing, at the end of a file).

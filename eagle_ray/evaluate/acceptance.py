@@ -287,14 +287,16 @@ def prompts_from_ingest(prompts_dir: str | Path, tokenizer, limit: int,
 
     exclude_ids = {prompt_id(s) for s in exclude_ids} if exclude_ids else None
 
-    _, table = read_stage_table(prompts_dir, "prompts.parquet", ["sample_id", "source", "messages"], "ingest",
-                                columns=["sample_id", "source", "messages"])
+    from eagle_ray.data.chat import load_tools, render
+
+    cols = ["sample_id", "source", "messages", "tools"]
+    _, table = read_stage_table(prompts_dir, "prompts.parquet", cols, "ingest", columns=cols)
     out, labels = [], []
-    for sid, src, m in zip(table.column("sample_id").to_pylist(), table.column("source").to_pylist(),
-                           table.column("messages").to_pylist()):
+    for sid, src, m, tools in zip(*(table.column(c).to_pylist() for c in cols)):
         if exclude_ids and sid in exclude_ids:
             continue
-        text = tokenizer.apply_chat_template(json.loads(m), tokenize=False, add_generation_prompt=True)
+        # Rendered as served: with the request's tools.
+        text = render(tokenizer, [json.loads(m)], [load_tools(tools)], add_generation_prompt=True)[0]
         out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
         labels.append(src)
         if len(out) >= limit:

@@ -68,6 +68,21 @@ def prompts_file(prompts: str | Path) -> Path:
     return stage_file(prompts, "prompts.parquet", INPUT_COLUMNS, "ingest")
 
 
+def check_prompts_render(recipe: Recipe, file: Path) -> None:
+    """Refuse, before an engine starts, prompts with tools for a target whose chat template
+    cannot render them (data/chat.py); reads the tools column only."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    tools = pq.read_table(file, columns=["tools"]).column("tools")
+    if pc.all(pc.is_null(tools)).as_py() is not False:
+        return
+    from eagle_ray.data.chat import check_renders_tools
+    from eagle_ray.data.tokenize import load_tokenizer
+
+    check_renders_tools(load_tokenizer(recipe.target), recipe.target.path)
+
+
 def prompt_rows(recipe: Recipe, prompts: Path, exclude: pa.Array | None = None,
                 limit: int | None = None):
     """A Ray Dataset of the prompts' INPUT_COLUMNS in blocks of generate.batch_size, less the
@@ -213,6 +228,7 @@ def run_generate(recipe: Recipe, prompts: str | Path, out_dir: str | Path, *,
     out = Path(out_dir)
     parts_dir = out / PARTS_DIR
     file = prompts_file(prompts)
+    check_prompts_render(recipe, file)
     total = num_rows(file, limit)
     model_dir = resolve_target_path(recipe.target)
     claim_output_dir(out, "generate")  # new, empty or an earlier generate output; else refused

@@ -24,10 +24,11 @@ from typing import Any
 import pyarrow as pa
 
 from eagle_ray.common.errors import UserFault
+from eagle_ray.data.chat import load_tools, render
 
 logger = logging.getLogger(__name__)
 
-INPUT_COLUMNS = ("sample_id", "source", "messages", "reference")
+INPUT_COLUMNS = ("sample_id", "source", "messages", "reference", "tools")
 
 CONVERSATIONS_SCHEMA = pa.schema([
     pa.field("sample_id", pa.string(), nullable=False),
@@ -49,6 +50,7 @@ CONVERSATIONS_SCHEMA = pa.schema([
     pa.field("num_tokens", pa.int32()),
     pa.field("num_loss_tokens", pa.int32()),
     pa.field("truncated", pa.bool_()),
+    pa.field("tools", pa.string()),                   # JSON: the request's tool specs (null: none)
 ])
 
 
@@ -168,8 +170,8 @@ class Regenerate(_Base):
                                                           cols["messages"])):
             messages = json.loads(messages_json)
             with self.tokenizer_lock:  # batches run in threads; HF fast tokenizers are not re-entrant
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                          add_generation_prompt=True)
+                text = render(self.tokenizer, [messages], [load_tools(cols["tools"][i])],
+                              add_generation_prompt=True)[0]
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             room = self.max_model_len - len(ids)
             if room < 1:
@@ -201,7 +203,7 @@ class Regenerate(_Base):
             turn = {"role": "assistant", "content": content}
             if reasoning is not None:
                 turn["reasoning_content"] = reasoning
-            rows[i] = _row(sid, src, status="ok", origin="regenerated",
+            rows[i] = _row(sid, src, status="ok", origin="regenerated", tools=cols["tools"][i],
                            messages=json.dumps(messages + [turn], ensure_ascii=False),
                            completion_text=c.text, reasoning_content=reasoning, content=content,
                            finish_reason=c.finish_reason, prompt_token_ids=ids,
@@ -387,7 +389,7 @@ class LoggedUDF(_Base):
 
         rows = []
         cols = {c: batch.column(c).to_pylist() for c in INPUT_COLUMNS}
-        for sid, src, messages_json, ref_json in zip(*(cols[c] for c in INPUT_COLUMNS)):
+        for sid, src, messages_json, ref_json, tools_json in zip(*(cols[c] for c in INPUT_COLUMNS)):
             if ref_json is None:
                 rows.append(rejected(sid, src, "no_logged_response",
                                      "keep_logged mode needs a logged assistant response; this "
@@ -395,7 +397,7 @@ class LoggedUDF(_Base):
                 continue
             messages = json.loads(messages_json) + [json.loads(ref_json)]
             try:
-                t = tokenize_conversation(self.tokenizer, messages, sys.maxsize)
+                t = tokenize_conversation(self.tokenizer, messages, sys.maxsize, load_tools(tools_json))
             except ValueError as e:
                 rows.append(rejected(sid, src, "template_error", str(e)))
                 continue
@@ -403,7 +405,7 @@ class LoggedUDF(_Base):
             prompt_ids = t.input_ids[:first].tolist()
             completion = t.input_ids[t.loss_mask].tolist()
             ref = messages[-1]
-            rows.append(_row(sid, src, status="ok", origin="logged",
+            rows.append(_row(sid, src, status="ok", origin="logged", tools=tools_json,
                              messages=json.dumps(messages, ensure_ascii=False),
                              completion_text=self.tokenizer.decode(completion),
                              reasoning_content=ref.get("reasoning_content"),

@@ -47,6 +47,7 @@ COLOCATED_SCHEMA = pa.schema([
     pa.field("source", pa.string()),
     pa.field("messages", pa.string()),
     pa.field("reference", pa.string()),
+    pa.field("tools", pa.string()),
     pa.field("prompt_token_ids", pa.list_(pa.int32())),
     pa.field("completion_token_ids", pa.list_(pa.int32())),
 ])
@@ -58,6 +59,7 @@ def generated_rows(generated: pa.Table) -> pa.Table:
     return pa.table({
         "sample_id": generated.column("sample_id"), "source": generated.column("source"),
         "messages": pa.nulls(n, pa.string()), "reference": pa.nulls(n, pa.string()),
+        "tools": pa.nulls(n, pa.string()),
         "prompt_token_ids": generated.column("prompt_token_ids"),
         "completion_token_ids": generated.column("completion_token_ids")}).cast(COLOCATED_SCHEMA)
 
@@ -68,6 +70,7 @@ def _prompt_rows(prompts: pa.Table) -> pa.Table:
     return pa.table({
         "sample_id": prompts.column("sample_id"), "source": prompts.column("source"),
         "messages": prompts.column("messages"), "reference": prompts.column("reference"),
+        "tools": prompts.column("tools"),
         "prompt_token_ids": pa.nulls(n, pa.list_(pa.int32())),
         "completion_token_ids": pa.nulls(n, pa.list_(pa.int32()))}).cast(COLOCATED_SCHEMA)
 
@@ -129,7 +132,7 @@ class ColocatedUDF(Regenerate):
         from eagle_ray.stream.parts import write_part
 
         fresh = pc.is_null(batch.column("completion_token_ids"))
-        prompts = batch.filter(fresh).select(["sample_id", "source", "messages", "reference"])
+        prompts = batch.filter(fresh).select(["sample_id", "source", "messages", "reference", "tools"])
         generated = batch.filter(pc.invert(fresh)).select(list(EXTRACT_COLUMNS))
         if prompts.num_rows:
             # The record first (atomic part); only its ok rows go on to capture.

@@ -72,7 +72,7 @@ def run_generate_extract(recipe: Recipe, prompts: str | Path, gen_dir: str | Pat
     from eagle_ray.extract.run import check_target_shape, make_manifest
     from eagle_ray.generate.prompts import num_rows
     from eagle_ray.generate.run import (PARTS_DIR, check_generation_params, consolidate, generation_params,
-                                        prompts_file)
+                                        prompts_file, check_prompts_render)
     from eagle_ray.common.outputs import check_output_dir, claim_output_dir
     from eagle_ray.store.lock import store_lock
     from eagle_ray.store.writer import open_or_create, sweep_interrupted
@@ -83,6 +83,7 @@ def run_generate_extract(recipe: Recipe, prompts: str | Path, gen_dir: str | Pat
     check_output_dir(gen, "generate")
     store = check_output_dir(store_dir, "extract")  # both refused before anything is written
     check_target_shape(recipe, model_dir)
+    check_prompts_render(recipe, file)
     params = generation_params(recipe, model_dir)
     # What `eagle-ray extract` records from generate/manifest.json, so the stores are equal.
     generation = {"mode": params["mode"], "sampling": params["sampling"],

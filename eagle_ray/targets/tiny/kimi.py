@@ -47,8 +47,11 @@ What differs, and why:
     (`vision_config.num_attention_heads`, read before the tower is skipped). The twin must be
     served with language_model_only (both Kimi recipes set it): without it vLLM would build
     a real-size vision tower for which the twin has no weights.
-  * The tokenizer is the tiny Llama's (`eagle_ray.targets.tiny.target`), copied file for file with
-    its chat template, so both tiny targets tokenize identically and share corpus stats.
+  * The tokenizer is the tiny Llama's (`eagle_ray.targets.tiny.target`), copied file for file,
+    so both tiny targets tokenize identically and share corpus stats. Its chat template is
+    the tiny Llama's for text (ChatML turns) and Kimi-K2.5's for tools: a `tool_declare`
+    turn, tool-call sections with `functions.NAME:IDX` ids, "## Return of ID" results
+    (`_kimi_chat_template`; the markers are plain text, not added tokens).
     It has no "<|media_pad|>" token; media_placeholder_token_id (and image_token_id, the
     name transformers' Kimi_K25Config and vLLM read; on the real checkpoint it defaults to
     the same id) is 1023, an id of the embedding table the tokenizer never produces, as the
@@ -76,7 +79,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 # Bump when anything below changes what gets built, so caches rebuild.
-KIMI_VERSION = 1
+KIMI_VERSION = 2  # 2: its own chat template, rendering tools the way Kimi-K2.5's does
 CACHE_NAME = "tiny-kimi"
 
 # The real Kimi-K2.5 values where the CPU allows them, tiny numbers elsewhere.
@@ -115,6 +118,30 @@ MEDIA_PROC_CFG = {
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json")
+
+def _kimi_chat_template() -> str:
+    """The tiny Llama's ChatML turns (the twin is trained on them) with Kimi-K2.5's tool
+    syntax: the tools declared in a `tool_declare` turn as compact JSON, before the system
+    prompt; calls after the turn's text in a tool-calls section, each as
+    <|tool_call_begin|>ID<|tool_call_argument_begin|>ARGS<|tool_call_end|> (Kimi's ids are
+    `functions.NAME:IDX`); each result as a `tool` turn opening "## Return of ID". Kimi's
+    markers are plain text here (the tiny vocabulary has no room for them as tokens)."""
+    from eagle_ray.targets.tiny.target import turns_template
+
+    return turns_template(
+        tool_declaration=("{{ '<|im_start|>tool_declare\\n' + (tools | tojson(separators=(',', ':')))"
+                          " + '<|im_end|>\\n' }}"),
+        tool_call=("{{ '<|tool_calls_section_begin|>' }}"
+                   "{%- for tc in message['tool_calls'] -%}"
+                   "{{ '<|tool_call_begin|>' + tc['id'] + '<|tool_call_argument_begin|>'"
+                   " + (tc['function']['arguments'] | tojson) + '<|tool_call_end|>' }}"
+                   "{%- endfor -%}"
+                   "{{ '<|tool_calls_section_end|>' }}"),
+        tool_result=("{{ '<|im_start|>tool\\n## Return of ' + message['tool_call_id'] + '\\n'"
+                     " + (message['content'] or '') + '<|im_end|>\\n' }}"),
+        system_in_declaration=False)
+
+
 WEIGHT_PREFIX = "language_model."
 NUM_SHARDS = 2
 
@@ -230,6 +257,10 @@ def build_tiny_kimi(out_dir: str | Path, *, seed: int = 0, train_steps: int = 16
     for name in TOKENIZER_FILES:
         if (tok_src / name).exists():
             shutil.copyfile(tok_src / name, out / name)
+    template = _kimi_chat_template()
+    (out / "chat_template.jinja").write_text(template)
+    tc_path = out / "tokenizer_config.json"
+    tc_path.write_text(json.dumps({**json.loads(tc_path.read_text()), "chat_template": template}, indent=2))
     tok = AutoTokenizer.from_pretrained(str(out))
     assert len(tok) <= MEDIA_PLACEHOLDER_ID, len(tok)  # the placeholder id is never produced
     eos_id, pad_id = tok.eos_token_id, tok.pad_token_id

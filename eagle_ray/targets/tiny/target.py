@@ -23,7 +23,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 # Bump when anything below changes what gets built, so caches rebuild.
-TINY_VERSION = 1
+TINY_VERSION = 2  # 2: the chat template renders tools, tool calls and tool results
 
 # head_dim = 128 / 4 = 32: vLLM's CPU attention needs head_dim >= 32.
 # 8 layers so the default aux layers (2, L//2, L-3) = (2, 4, 5) are distinct.
@@ -37,15 +37,54 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # System/user/assistant turns; the final assistant turn carries its reasoning in a
 # <think> block (earlier turns drop it, as reasoning chat templates do). Written without
 # newlines inside control blocks so whitespace is exact.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['role'] == 'assistant' and loop.last and message.get('reasoning_content') -%}"
-    "{{ '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n' }}"
-    "{%- endif -%}"
-    "{{ message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+#
+# Tools in the Hermes / Qwen style of ChatML tool-use templates: the request's tools in the
+# system turn (after its own system prompt), each call as <tool_call>{"name", "arguments"}
+# </tool_call> after the turn's text, each result as a `tool` turn in <tool_response>. A
+# conversation without tools renders exactly as it did before tools were added (v1).
+def turns_template(tool_declaration: str, tool_call: str, tool_result: str, *,
+                   system_in_declaration: bool = True) -> str:
+    """ChatML turns with the given jinja pieces for tools; shared by both tiny targets, so
+    text renders identically in both and only the tool syntax differs.
+    `system_in_declaration`: the system prompt is printed inside the tool declaration turn
+    (then its own turn is skipped)."""
+    merge = "tools and messages and messages[0]['role'] == 'system'" if system_in_declaration else "false"
+    return (
+        "{%- set sys_in_tools = " + merge + " -%}"
+        "{%- if tools -%}" + tool_declaration + "{%- endif -%}"
+        "{%- for message in messages -%}"
+        "{%- if not (sys_in_tools and loop.first) -%}"
+        "{%- if message['role'] == 'tool' -%}" + tool_result + "{%- else -%}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{%- if message['role'] == 'assistant' and loop.last and message.get('reasoning_content') -%}"
+        "{{ '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n' }}"
+        "{%- endif -%}"
+        "{{ message['content'] or '' }}"
+        "{%- if message.get('tool_calls') -%}" + tool_call + "{%- endif -%}"
+        "{{ '<|im_end|>\\n' }}"
+        "{%- endif -%}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+    )
+
+
+CHAT_TEMPLATE = turns_template(
+    tool_declaration=(
+        "{{ '<|im_start|>system\\n' }}"
+        "{%- if sys_in_tools -%}{{ messages[0]['content'] + '\\n\\n' }}{%- endif -%}"
+        "{{ '# Tools\\n\\nYou may call one or more functions. Function signatures:\\n<tools>' }}"
+        "{%- for tool in tools -%}{{ '\\n' + (tool | tojson) }}{%- endfor -%}"
+        "{{ '\\n</tools><|im_end|>\\n' }}"),
+    tool_call=(
+        "{%- for tc in message['tool_calls'] -%}"
+        "{%- if message['content'] or not loop.first -%}{{ '\\n' }}{%- endif -%}"
+        "{{ '<tool_call>\\n' + ({'name': tc['function']['name'], 'arguments': tc['function']['arguments']}"
+        " | tojson) + '\\n</tool_call>' }}"
+        "{%- endfor -%}"),
+    tool_result=(
+        "{{ '<|im_start|>tool\\n<tool_response>\\n' + (message['content'] or '') "
+        "+ '\\n</tool_response><|im_end|>\\n' }}"),
 )
 
 

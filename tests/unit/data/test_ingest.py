@@ -193,7 +193,7 @@ def test_openai_reasoning_developer_and_content_parts(tmp_path):
     msgs = json.loads(by_line[1]["messages"])
     assert msgs == [
         {"role": "system", "content": "sys"},
-        {"role": "user", "content": "hello"},
+        {"role": "user", "content": "hel\nlo"},  # text parts joined as vLLM's chat path joins them
         {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
         {"role": "user", "content": "again"},
     ]
@@ -297,8 +297,11 @@ BAD_LINES = [
     ('{"conversations": [{"from": "human", "value": 1}]}', "bad_type"),
     ('{"prompt": 3}', "bad_type"),
     ('{"prompt": "p", "response": 3}', "bad_type"),
-    ('{"messages": [{"role": "tool", "content": "x"}]}', "unknown_role"),
-    ('{"conversations": [{"from": "function_call", "value": "x"}]}', "unknown_role"),
+    ('{"messages": [{"role": "tool_result", "content": "x"}]}', "unknown_role"),
+    ('{"conversations": [{"from": "function_response", "value": "x"}]}', "unknown_role"),
+    ('{"messages": [{"role": "tool", "content": "x"}]}', "no_user_turn"),
+    ('{"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "x"}]}',
+     "bad_tool_call"),
     ('{"messages": [{"role": "user", "content": "   "}]}', "empty_content"),
     ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}',
      "empty_content"),

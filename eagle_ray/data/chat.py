@@ -1,0 +1,106 @@
+"""Stored conversations -> chat-template input, exactly as vLLM's chat path hands a request over.
+
+Every place that renders a prompt (generation, keep-logged tokenization, token counts,
+evaluation) goes through `render`, so the prompt token ids a drafter trains on equal what
+`vllm serve` renders for the same request (a test compares them token for token):
+
+* the request's ``tools`` go to the template as ``tools=`` (a list of function specs, in the
+  key order logged: templates print them);
+* a call's ``arguments``, stored as the logged JSON text, reaches the template as an object
+  (vLLM parses it so; transformers' tool-use templates expect a mapping);
+* reasoning is stored as ``reasoning_content``; vLLM gives templates the same text under
+  both ``reasoning`` and ``reasoning_content``, and so does `template_messages`.
+
+`check_renders_tools` refuses, before any work starts, a target whose template would drop
+the tools or the calls of a conversation (the prompt would differ from the served one).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from eagle_ray.common.errors import UserFault
+
+
+class TemplateCannotRenderTools(UserFault, ValueError):
+    """The target's chat template drops the tools or calls of a session that has them."""
+
+
+def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Stored messages as the chat template receives them (new dicts; input untouched)."""
+    out = []
+    for m in messages:
+        if "tool_calls" in m or "reasoning_content" in m:
+            m = dict(m)
+            if "reasoning_content" in m:
+                m["reasoning"] = m["reasoning_content"]
+            if "tool_calls" in m:
+                m["tool_calls"] = [
+                    {**c, "function": {**c["function"],
+                                       "arguments": json.loads(c["function"]["arguments"] or "{}")}}
+                    for c in m["tool_calls"]]
+        out.append(m)
+    return out
+
+
+def load_tools(tools_json: str | None) -> list[dict] | None:
+    return None if tools_json is None else json.loads(tools_json)
+
+
+def render(tokenizer, conversations: Sequence[Sequence[dict[str, Any]]],
+           tools: Sequence[list[dict] | None] | None = None, **kwargs) -> list[str]:
+    """Chat-template text of each conversation with its tools (None: no tools); rows
+    without tools are rendered in one batched template call, as before tools existed."""
+    n = len(conversations)
+    tools = list(tools) if tools is not None else [None] * n
+    if len(tools) != n:
+        raise ValueError(f"{n} conversations but {len(tools)} tool lists")
+    out: list[str] = [""] * n
+    bare = [i for i in range(n) if not tools[i]]
+    if bare:
+        texts = tokenizer.apply_chat_template([template_messages(conversations[i]) for i in bare],
+                                              tokenize=False, **kwargs)
+        for i, t in zip(bare, texts):
+            out[i] = t
+    for i in range(n):
+        if tools[i]:
+            out[i] = tokenizer.apply_chat_template(template_messages(conversations[i]),
+                                                   tools=tools[i], tokenize=False, **kwargs)
+    return out
+
+
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "probe_tool_q7", "description": "d",
+    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+_PROBE = [
+    {"role": "user", "content": "u"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "functions.probe_call_z3:0", "type": "function",
+         "function": {"name": "probe_call_z3", "arguments": '{"x": "arg_v9"}'}}]},
+    {"role": "tool", "tool_call_id": "functions.probe_call_z3:0", "content": "result_k4"},
+]
+
+
+def template_problem(tokenizer) -> str | None:
+    """Why the tokenizer's chat template cannot render an agent session as served, or None:
+    the tool specs, a call's name and arguments, and a tool result must all appear."""
+    try:
+        text = render(tokenizer, [_PROBE], [[_PROBE_TOOL]], add_generation_prompt=True)[0]
+    except Exception as e:  # a template that raises on tools or tool roles
+        return f"rendering a session with tools raised {type(e).__name__}: {str(e)[:200]}"
+    missing = [what for what, s in (("the tools", "probe_tool_q7"), ("a call's name", "probe_call_z3"),
+                                    ("a call's arguments", "arg_v9"), ("a tool result", "result_k4"))
+               if s not in text]
+    return f"its output leaves out {', '.join(missing)}" if missing else None
+
+
+def check_renders_tools(tokenizer, target: str) -> None:
+    """Raise TemplateCannotRenderTools when the template would drop tools or calls."""
+    problem = template_problem(tokenizer)
+    if problem is not None:
+        raise TemplateCannotRenderTools(
+            f"the chat template of target {target} cannot render sessions with tools ({problem}); "
+            "the prompts have tools, so they would be trained on differently from how they are "
+            "served: use a target whose template renders tools and tool calls, or drop the "
+            "sources with tools")
