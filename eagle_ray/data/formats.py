@@ -317,13 +317,13 @@ def _tools(obj: dict) -> list[dict] | None:
             where = f"{key}[{j}]"
             if type(spec) is not dict:
                 raise Reject("bad_tools", f"{where} must be an object, got {type_name(spec)}")
-            if key == "tools" or "function" in spec:
+            if "function" in spec or "type" in spec:  # {"type": "function", "function": {...}}
                 if spec.get("type", "function") != "function":
                     raise Reject("bad_tools", f"{where}.type {_short(spec.get('type'))} is not \"function\"")
                 fn = spec.get("function")
                 if type(fn) is not dict:
                     raise Reject("bad_tools", f"{where}.function must be an object, got {type_name(fn)}")
-            else:
+            else:  # a bare spec: legacy "functions", glaive-style "tools"
                 fn = spec
             name = fn.get("name")
             if type(name) is not str or _blank(name):

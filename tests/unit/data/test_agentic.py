@@ -1,0 +1,269 @@
+"""Agent sessions as gateways export them: read with tools and calls, validated by name,
+rendered as served (token for token against vLLM's own chat path), masked on tool calls."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eagle_ray.data.formats import canonical_json, parse_record
+from eagle_ray.data.ingest import SourceSpec, ingest
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "data" / "agentic.jsonl"
+
+
+def _ingest(tmp_path, path, annotate=None):
+    return ingest([SourceSpec(path=str(path))], tmp_path / "out", annotate=annotate)
+
+
+def _rows(res):
+    import pyarrow.parquet as pq
+
+    return pq.read_table(res.out_dir / "prompts.parquet").to_pylist()
+
+
+def test_the_example_sessions_are_accounted_for_and_each_broken_kind_named(tmp_path):
+    records = [json.loads(line) for line in EXAMPLE.read_text().splitlines()]
+    broken = {i + 1: r["_expect"] for i, r in enumerate(records) if "_expect" in r}
+    res = _ingest(tmp_path, EXAMPLE)
+    assert res.lines_read == len(records)
+    assert res.accepted + res.duplicates == len(records) - len(broken)
+    rejects = [json.loads(line) for line in (res.out_dir / "rejects.jsonl").read_text().splitlines()]
+    # Every broken record rejected, by the name it was written to break, and nothing else.
+    assert {r["line"]: r["reason"] for r in rejects} == broken
+    assert set(broken.values()) >= {"bad_tools", "bad_arguments", "orphan_tool_result",
+                                    "missing_tool_result", "bad_tool_call", "non_text_part"}
+    rows = _rows(res)
+    with_tools = [r for r in rows if r["tools"] is not None]
+    assert len(with_tools) == len(rows)  # every accepted session offered tools
+    # Tool calls and results survive, ids named, each result tied to its call.
+    calls = results = 0
+    for r in rows:
+        msgs = json.loads(r["messages"]) + ([json.loads(r["reference"])] if r["reference"] else [])
+        ids = set()
+        for m in msgs:
+            for c in m.get("tool_calls", ()):
+                assert isinstance(json.loads(c["function"]["arguments"]), dict)
+                ids.add(c["id"])
+                calls += 1
+            if m["role"] == "tool":
+                assert m["tool_call_id"] in ids
+                results += 1
+    assert calls > 50 and results == calls
+
+
+def test_gateway_shapes_normalise_to_template_messages():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    rec = {"tools": tools, "messages": [
+        {"role": "developer", "content": "sys"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "reasoning": "think",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"z": 1, "a": 2}'}},
+                        {"id": "c2", "type": "function", "function": {"name": "f", "arguments": ""}}]},
+        {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "r2"}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r1"},
+        {"role": "assistant", "content": "done"}]}
+    prompt, ref, fmt, got_tools = parse_record(rec)
+    assert fmt == "openai" and got_tools == tools and ref == {"role": "assistant", "content": "done"}
+    assert prompt[1] == {"role": "user", "content": "a\nb"}
+    call_turn = prompt[2]
+    assert call_turn["content"] == "" and call_turn["reasoning_content"] == "think"
+    # The logged arguments text is kept (its key order is what the template prints).
+    assert [c["function"]["arguments"] for c in call_turn["tool_calls"]] == ['{"z": 1, "a": 2}', "{}"]
+    assert prompt[3] == {"role": "tool", "content": "r2", "tool_call_id": "c2"}  # results may come in any order
+
+    # The legacy functions / function_call / function role: ids named the way Kimi names them.
+    legacy = {"functions": [{"name": "g"}], "messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "function_call": {"name": "g", "arguments": "{}"}},
+        {"role": "function", "name": "g", "content": "out"}]}
+    prompt, ref, _, got_tools = parse_record(legacy)
+    assert got_tools == [{"type": "function", "function": {"name": "g"}}] and ref is None
+    assert prompt[1]["tool_calls"][0]["id"] == "functions.g:0"
+    assert prompt[2] == {"role": "tool", "content": "out", "name": "g", "tool_call_id": "functions.g:0"}
+
+    # glaive-style ShareGPT: the text turn and its call turn become one assistant message.
+    glaive = {"tools": json.dumps([{"name": "h", "parameters": {}}]), "conversations": [
+        {"from": "human", "value": "q"}, {"from": "gpt", "value": "Let me look."},
+        {"from": "function_call", "value": '{"name": "h", "arguments": {"k": "v"}}'},
+        {"from": "observation", "value": "seen"}, {"from": "gpt", "value": "Found it."}]}
+    prompt, ref, fmt, got_tools = parse_record(glaive)
+    assert fmt == "sharegpt" and got_tools == [{"type": "function", "function": {"name": "h", "parameters": {}}}]
+    assert [m["role"] for m in prompt] == ["user", "assistant", "tool"]
+    assert prompt[1]["content"] == "Let me look." and prompt[1]["tool_calls"][0]["function"] == {
+        "name": "h", "arguments": '{"k": "v"}'}
+    assert ref == {"role": "assistant", "content": "Found it."}
+
+
+def test_tools_are_part_of_the_dedupe_key_and_tool_free_ids_do_not_change(tmp_path):
+    import hashlib
+
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    t1 = [{"type": "function", "function": {"name": "f"}}]
+    t2 = [{"type": "function", "function": {"name": "g"}}]
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"messages": msgs}, {"messages": msgs, "tools": t1}, {"messages": msgs, "tools": t2},
+        {"messages": msgs, "tools": t1})))
+    res = _ingest(tmp_path, src)
+    assert (res.accepted, res.duplicates) == (3, 1)
+    by_line = {r["source_line"]: r for r in _rows(res)}
+    # A record without tools hashes as before tools were read: its sample id is unchanged.
+    old = hashlib.sha256(json.dumps({"messages": msgs[:1], "reference": msgs[1]}, sort_keys=True,
+                                    ensure_ascii=False, separators=(",", ":")).encode()).hexdigest()
+    assert by_line[1]["content_hash"] == old and by_line[1]["tools"] is None
+    assert by_line[2]["content_hash"] == hashlib.sha256(
+        canonical_json(msgs[:1], msgs[1], t1).encode()).hexdigest()
+    assert json.loads(by_line[3]["tools"]) == t2
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+@pytest.fixture(scope="module")
+def templates(tiny_target_dir, tmp_path_factory):
+    """Tokenizer directories of both tiny targets (the twin's: the tiny tokenizer with the
+    twin's own template, as its build writes it; its weights are not needed to render)."""
+    from eagle_ray.targets.tiny.kimi import TOKENIZER_FILES, _kimi_chat_template
+
+    kimi = tmp_path_factory.mktemp("kimi_tok")
+    for name in TOKENIZER_FILES + ("config.json",):
+        if (tiny_target_dir / name).exists():
+            shutil.copyfile(tiny_target_dir / name, kimi / name)
+    template = _kimi_chat_template()
+    (kimi / "chat_template.jinja").write_text(template)
+    tc = json.loads((kimi / "tokenizer_config.json").read_text())
+    (kimi / "tokenizer_config.json").write_text(json.dumps({**tc, "chat_template": template}))
+    return {"tiny": tiny_target_dir, "kimi": kimi}
+
+
+def _served_ids(model_dir, record):
+    """What vLLM's chat path (the OpenAI server's renderer) makes of the logged request:
+    its message parsing, then its chat-template application, tokens out."""
+    from vllm.config import ModelConfig
+    from vllm.renderers.chat_utils import parse_chat_messages
+    from vllm.renderers.hf import resolve_chat_template_content_format, safe_apply_chat_template
+    from vllm.tokenizers import get_tokenizer
+
+    mc = _served_ids.cache.get(str(model_dir))
+    if mc is None:
+        mc = _served_ids.cache[str(model_dir)] = (
+            ModelConfig(model=str(model_dir), tokenizer=str(model_dir)), get_tokenizer(str(model_dir)))
+    config, tok = mc
+    messages = record["messages"]
+    tools = record.get("tools")
+    fmt = resolve_chat_template_content_format(chat_template=None, tools=tools, given_format="auto",
+                                               tokenizer=tok, model_config=config)
+    conversation, _, _ = parse_chat_messages(messages, config, content_format=fmt)
+    return safe_apply_chat_template(config, tok, conversation, tools=tools, tokenize=True,
+                                    add_generation_prompt=True)
+
+
+_served_ids.cache = {}
+
+
+def _request(prompt, tools):
+    """The served request of a stored prompt: OpenAI messages (arguments as JSON text,
+    reasoning under `reasoning`, as a client sends them)."""
+    import copy
+
+    msgs = []
+    for m in copy.deepcopy(prompt):  # vLLM parses arguments in place
+        if "reasoning_content" in m:
+            m["reasoning"] = m.pop("reasoning_content")
+        msgs.append(m)
+    return {"messages": msgs, **({"tools": tools} if tools else {})}
+
+
+@pytest.mark.parametrize("target", ["tiny", "kimi"])
+def test_prompts_render_as_vllm_serves_them_token_for_token(templates, target):
+    from transformers import AutoTokenizer
+
+    from eagle_ray.data.chat import render
+
+    tok = AutoTokenizer.from_pretrained(str(templates[target]))
+    checked = with_calls = 0
+    for line in EXAMPLE.read_text().splitlines():
+        rec = json.loads(line)
+        if "_expect" in rec:
+            continue
+        prompt, _, _, tools = parse_record(rec)
+        ours = tok(render(tok, [prompt], [tools], add_generation_prompt=True)[0],
+                   add_special_tokens=False)["input_ids"]
+        served = _served_ids(templates[target], _request(prompt, tools))
+        assert ours == served, (target, rec["messages"][:3])
+        checked += 1
+        if any(m["role"] == "tool" for m in prompt):
+            with_calls += 1
+            shown = prompt, tools
+    assert checked >= 30 and with_calls >= 25
+    # And the tool syntax is the target's own: Hermes tags for the tiny Llama, Kimi's
+    # sections and "## Return of" results for the twin.
+    prompt, tools = shown
+    text = render(tok, [prompt], [tools], add_generation_prompt=True)[0]
+    marks = (["<tool_call>", "<tool_response>", "# Tools"] if target == "tiny" else
+             ["<|tool_calls_section_begin|>", "<|tool_call_argument_begin|>", "## Return of ",
+              "<|im_start|>tool_declare\n"])
+    assert all(m in text for m in marks), text
+
+
+def test_a_template_that_cannot_render_tools_is_refused_by_name(tmp_path, tiny_target_dir):
+    from transformers import AutoTokenizer
+
+    from eagle_ray.data.chat import TemplateCannotRenderTools, check_renders_tools
+    from eagle_ray.data.tokenize import length_columns
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_target_dir))
+    check_renders_tools(tok, "tiny")  # ours renders them
+    tok.chat_template = ("{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] "
+                         "+ '<|im_end|>\\n' }}{%- endfor -%}")  # the v1 kind: no tools, no calls
+    with pytest.raises(TemplateCannotRenderTools, match=r"target my-model cannot render .*leaves out "
+                                                         r"the tools, a call's name, a call's arguments"):
+        check_renders_tools(tok, "my-model")
+    assert length_columns  # imported: the ingest annotator runs the same check (below)
+
+
+def test_ingest_with_a_recipe_refuses_tools_the_template_drops(tmp_path, monkeypatch):
+    from eagle_ray.recipes import load_recipe
+    from eagle_ray.data import tokenize as tk
+    from eagle_ray.data.chat import TemplateCannotRenderTools
+
+    real = tk.load_tokenizer
+
+    def no_tools_template(target):
+        tok = real(target)
+        tok.chat_template = "{%- for m in messages -%}{{ m['role'] + ': ' + m['content'] + '\\n' }}{%- endfor -%}"
+        return tok
+
+    monkeypatch.setattr(tk, "load_tokenizer", no_tools_template)
+    annotate = tk.length_annotator(load_recipe("tiny_cpu"))
+    with pytest.raises(TemplateCannotRenderTools, match="target tiny cannot render"):
+        _ingest(tmp_path, EXAMPLE, annotate=annotate)
+    assert not (tmp_path / "out" / "prompts.parquet").exists()  # refused before writing
+
+
+@pytest.mark.parametrize("target", ["tiny", "kimi"])
+def test_a_final_tool_call_turn_is_masked_with_its_calls(templates, target):
+    """Keep-logged on a session whose logged answer is a call: the loss covers the call's
+    text and the end-of-turn token, nothing of the history or the scaffolding."""
+    from transformers import AutoTokenizer
+
+    from eagle_ray.data.chat import render
+    from eagle_ray.data.tokenize import tokenize_conversation
+
+    tok = AutoTokenizer.from_pretrained(str(templates[target]))
+    tools = [{"type": "function", "function": {"name": "find_animals", "parameters": {}}}]
+    msgs = [{"role": "user", "content": "Which animals live in the lake?"},
+            {"role": "assistant", "content": "Let me look.", "tool_calls": [
+                {"id": "functions.find_animals:0", "type": "function",
+                 "function": {"name": "find_animals", "arguments": '{"place": "lake"}'}}]}]
+    t = tokenize_conversation(tok, msgs, 512, tools)
+    masked = tok.decode(t.input_ids[t.loss_mask])
+    prefix = render(tok, [msgs[:-1]], [tools], add_generation_prompt=True)[0]
+    full = render(tok, [msgs], [tools])[0]
+    assert full.startswith(prefix)
+    # Exactly the generated part: the turn after the generation prompt, up to its end token.
+    assert masked == full[len(prefix):].rstrip("\n")
+    assert masked.startswith("Let me look.") and masked.endswith("<|im_end|>")
+    assert '"place": "lake"' in masked and "find_animals" in masked
