@@ -19,6 +19,7 @@ Tokens are assigned to the span by their character offsets in `full`.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -190,9 +191,13 @@ def load_tokenizer(target):
 
     from eagle_ray.targets.resolve import resolve_target_path
 
-    return AutoTokenizer.from_pretrained(str(resolve_target_path(target)),
-                                         revision=target.revision,
-                                         trust_remote_code=target.trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(str(resolve_target_path(target)),
+                                        revision=target.revision,
+                                        trust_remote_code=target.trust_remote_code)
+    # Counted, not fed to a model: a session longer than model_max_length is counted (and
+    # truncated at data.max_seq_len) without transformers' warning on the console.
+    tok.model_max_length = sys.maxsize
+    return tok
 
 
 LENGTH_TYPES = {"prompt_tokens": "int32", "num_tokens": "int32", "num_loss_tokens": "int32",

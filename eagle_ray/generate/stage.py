@@ -116,6 +116,10 @@ class _Base:
         self.tokenizer = AutoTokenizer.from_pretrained(
             model_path, revision=recipe.target.revision,
             trust_remote_code=recipe.target.trust_remote_code)
+        # Lengths are judged against the engine's context (prompt_too_long) and
+        # data.max_seq_len, not the tokenizer's model_max_length: without this, every replica
+        # warns on the console at its first long agent session.
+        self.tokenizer.model_max_length = sys.maxsize
         self.tokenizer_lock = threading.Lock()
 
     def _table(self, rows: list[dict[str, Any]]) -> pa.Table:
