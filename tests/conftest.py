@@ -15,6 +15,15 @@ def tiny_target_dir():
 
 
 @pytest.fixture(scope="session")
+def tiny_kimi_dir(tiny_target_dir):
+    """The cached Kimi-K2.5 twin (built once per machine, ~1-2 min on 2 cores): built here,
+    not inside a subprocess a test times."""
+    from eagle_ray.targets.tiny.kimi import ensure_tiny_kimi
+
+    return ensure_tiny_kimi()
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_target_dir):
     from transformers import AutoTokenizer
 

@@ -259,7 +259,7 @@ def test_init_from_an_export_continues_where_it_left_off(tiny_trained, tmp_path)
     assert not (tmp_path / "c" / "checkpoints").exists()  # refused before training
 
 
-def test_another_targets_store_and_drafter_are_refused_naming_both(tiny_trained, tmp_path):
+def test_another_targets_store_and_drafter_are_refused_naming_both(tiny_trained, tiny_kimi_dir, tmp_path):
     """The tiny Llama and the Kimi twin share shapes and tokenizer: train, check and evaluate
     refuse a store / drafter of the other one before any worker starts, naming both."""
     import subprocess
