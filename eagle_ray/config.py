@@ -255,6 +255,11 @@ class ServeConfig:
     "greedy" (vLLM's default: drafts are argmax, verified as one-hot). Measured at 1.0 / 0.95
     (bench/study_serving.py, tiny target, k = 5): a drafter trained on served data accepts
     5.44 probabilistic vs 3.67 greedy; `evaluate` measures both for every drafter."""
+    tool_call_parser: str | None = None
+    """vLLM's tool parser for this target (`vllm serve --tool-call-parser`; "kimi_k2" for
+    Kimi): agent traffic is served with it, so the export's serve line carries it."""
+    reasoning_parser: str | None = None
+    """vLLM's reasoning parser for this target (`vllm serve --reasoning-parser`)."""
 
     def __post_init__(self) -> None:
         _check_sampling("serve", self.temperature, self.top_p, self.top_k, self.min_p)

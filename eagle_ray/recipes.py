@@ -18,7 +18,7 @@ from eagle_ray.config import (SMOLLM2_ALIAS, TINY_KIMI_ALIAS, TINY_TARGET_ALIAS,
 
 # Kimi-K2.5's thinking mode, as its vendor prescribes it (and fixes it in its own API).
 KIMI_K25_THINKING = ServeConfig(
-    temperature=1.0, top_p=0.95,
+    temperature=1.0, top_p=0.95, tool_call_parser="kimi_k2", reasoning_parser="kimi_k2",
     source="Kimi-K2.5 thinking mode: temperature 1.0, top_p 0.95 (Moonshot AI's model card "
            "and API; instant mode is 0.6)")
 
@@ -34,8 +34,10 @@ def tiny_cpu() -> Recipe:
         storage=StorageConfig(dtype="bf16", out_dir="out/store"),
         drafter=DrafterConfig(draft_vocab_size=512, head_dim=32),
         # Served as the production target is, so the demo and CI exercise the sampled path.
+        # Its template writes calls the Hermes way (<tool_call> JSON), so vLLM's hermes parser.
         serve=dataclasses.replace(KIMI_K25_THINKING, source="as kimi_k25_8gpu: "
-                                  + KIMI_K25_THINKING.source),
+                                  + KIMI_K25_THINKING.source, tool_call_parser="hermes",
+                                  reasoning_parser=None),
         generate=GenerateConfig(max_tokens=128, batch_size=16, gpus_per_replica=0),
         # CPU-only: no chunked prefill, so sampled requests with their own seeds never need
         # the generator rewind CPU generators refuse (eagle_ray/vllm/plugin.py).

@@ -126,7 +126,11 @@ def serving_recommendation(info: dict[str, Any], drafter_dir: Path) -> dict[str,
     tp = int(target.get("tensor_parallel_size", 1))
     cmd = (f"vllm serve {target['path']} --tensor-parallel-size {tp} "
            f"--speculative-config '{json.dumps(spec)}'"
-           + (" --trust-remote-code" if target.get("trust_remote_code") else ""))
+           + (" --trust-remote-code" if target.get("trust_remote_code") else "")
+           # Agent traffic is served with the target's parsers (tool calls, reasoning).
+           + (f" --enable-auto-tool-choice --tool-call-parser {serve['tool_call_parser']}"
+              if serve.get("tool_call_parser") else "")
+           + (f" --reasoning-parser {serve['reasoning_parser']}" if serve.get("reasoning_parser") else ""))
     return {"speculative_config": spec,
             "request_sampling": {k: profile.get(k) for k in ("temperature", "top_p", "top_k", "min_p")},
             "serving_profile_source": profile.get("source") or serve.get("source"),

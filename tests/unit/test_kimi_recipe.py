@@ -169,3 +169,18 @@ def test_register_on_cpu_installs_the_fixes(monkeypatch):
     assert dispatcher._rebind_kernels is vllm_plugin._tolerant_rebind_kernels
     (size,) = CPUAttentionBackend.get_supported_kernel_block_sizes()
     assert size.base == 16
+
+
+def test_the_serve_line_carries_kimis_tool_and_reasoning_parsers(tmp_path):
+    """Kimi-K2.5 is served as an agent: the export's `vllm serve` line names vLLM's kimi_k2
+    tool and reasoning parsers (the twin inherits them); the tiny Llama's Hermes-style
+    template gets the hermes parser and no reasoning parser."""
+    from eagle_ray.export.drafter import serving_recommendation
+
+    kimi = "--enable-auto-tool-choice --tool-call-parser kimi_k2 --reasoning-parser kimi_k2"
+    for name, tail in (("kimi_k25_8gpu", kimi), ("tiny_kimi_cpu", kimi),
+                       ("tiny_cpu", "--enable-auto-tool-choice --tool-call-parser hermes")):
+        info = {"recipe": dataclasses.asdict(load_recipe(name))}
+        cmd = serving_recommendation(info, tmp_path / "drafter")["command"]
+        assert cmd.startswith("vllm serve ") and cmd.endswith(tail), cmd
+        assert "--speculative-config" in cmd
