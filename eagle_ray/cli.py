@@ -194,11 +194,9 @@ def cmd_plan(args) -> int:
 def cmd_generate(args) -> int:
     from eagle_ray.generate.run import run_generate
 
+    if args.keep_logged:  # first, so --set data.train_turns=all (keep-logged only) is valid
+        args.set = ["generate.mode=keep_logged", *args.set]
     recipe = _recipe(args)
-    if args.keep_logged:
-        from eagle_ray.config import apply_overrides
-
-        recipe = apply_overrides(recipe, {"generate.mode": "keep_logged"})
     print(run_generate(recipe, args.prompts, args.out, limit=args.limit).summary_line())
     return 0
 

@@ -91,6 +91,11 @@ class DataConfig:
 
     max_seq_len: int = 2048
     """Sequences longer than this are truncated from the end."""
+    train_turns: str = "last"
+    """Which assistant turns of a session are in the loss: "last" (the final one, the turn
+    generation regenerates) or "all" (every assistant turn, as the template renders it in
+    the history: text, calls; generate.mode=keep_logged only, for logs that came from the
+    served target itself: one sample per session)."""
     num_samples: int | None = None
     """Planned sample count (None: take it from stats of the ingested data)."""
     avg_tokens_per_sample: float | None = None
@@ -100,6 +105,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.max_seq_len < 16:
             raise ValueError(f"data.max_seq_len={self.max_seq_len} is too small; use >= 16")
+        if self.train_turns not in ("last", "all"):
+            raise ValueError(f"data.train_turns={self.train_turns!r}; choose last or all")
         if self.num_samples is not None and self.num_samples <= 0:
             raise ValueError(f"data.num_samples must be > 0, got {self.num_samples}")
         if self.avg_tokens_per_sample is not None and self.avg_tokens_per_sample <= 0:
@@ -489,6 +496,11 @@ class Recipe:
     curve: CurveConfig = field(default_factory=CurveConfig)
 
     def __post_init__(self) -> None:
+        if self.data.train_turns == "all" and self.generate.mode != "keep_logged":
+            raise ValueError(
+                "data.train_turns=all trains on the logged assistant turns, so it needs "
+                f"generate.mode=keep_logged (this recipe has {self.generate.mode!r}); "
+                "regenerating every turn of a session is not built yet")
         if self.generate.gpus_per_replica not in (0, self.target.tensor_parallel_size):
             raise ValueError(
                 f"generate.gpus_per_replica={self.generate.gpus_per_replica} must be 0 (CPU) or "

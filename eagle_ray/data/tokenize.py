@@ -112,14 +112,58 @@ def _span_mask(offsets: np.ndarray, start: int, end: int) -> np.ndarray:
     return (offsets[:, 0] >= start) & (offsets[:, 1] <= end) & (offsets[:, 1] > offsets[:, 0])
 
 
+def assistant_spans(tokenizer, messages: Sequence[dict[str, Any]],
+                    tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """Full chat text and the [start, end) span of EVERY assistant turn as the template
+    renders it in the conversation (earlier turns as history: a template may drop their
+    reasoning), each from the end of its generation prompt through its end-of-turn token.
+
+        prefix_j = render(messages[:j], add_generation_prompt=True)   must start `full`
+        span_j   = [len(prefix_j), the first end-of-turn token after its content, inclusive]
+    """
+    from eagle_ray.data.chat import render
+
+    full = render(tokenizer, [list(messages)], [tools])[0]
+    eos_strings = _eos_strings(tokenizer)
+    turns = [j for j, m in enumerate(messages) if m.get("role") == "assistant"]
+    prefixes = render(tokenizer, [list(messages[:j]) for j in turns], [tools] * len(turns),
+                      add_generation_prompt=True) if turns else []
+    spans = []
+    for j, prefix in zip(turns, prefixes):
+        if not full.startswith(prefix):
+            raise ValueError(
+                f"chat template is not prefix-stable at assistant turn {j}: the conversation's "
+                "rendering does not start with its history plus the generation prompt")
+        start = len(prefix)
+        anchor = full.find(messages[j].get("content") or "", start)
+        anchor = start if anchor < 0 else anchor + len(messages[j].get("content") or "")
+        ends = [(full.find(eos, anchor), eos) for eos in eos_strings]
+        ends = [(e, eos) for e, eos in ends if e >= 0]
+        if not ends:
+            raise ValueError(f"assistant turn {j} has no end-of-turn token in the rendered template")
+        e, eos = min(ends)
+        spans.append((start, e + len(eos)))
+    return full, spans
+
+
 def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]],
-                          max_seq_len: int, tools: list[dict] | None = None) -> Tokenized:
-    """input_ids and loss_mask for one conversation whose last message is the assistant turn."""
-    full, start, end = render_with_span(tokenizer, messages, tools)
+                          max_seq_len: int, tools: list[dict] | None = None, *,
+                          all_turns: bool = False) -> Tokenized:
+    """input_ids and loss_mask for one conversation whose last message is the assistant turn
+    (`all_turns`: every assistant turn in the loss, `assistant_spans`)."""
+    if all_turns:
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ValueError("the last message must be the assistant turn to learn from")
+        full, spans = assistant_spans(tokenizer, messages, tools)
+    else:
+        full, start, end = render_with_span(tokenizer, messages, tools)
+        spans = [(start, end)]
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(enc["input_ids"], dtype=np.int32)
     offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-    mask = _span_mask(offsets, start, end)
+    mask = np.zeros(len(ids), dtype=bool)
+    for start, end in spans:
+        mask |= _span_mask(offsets, start, end)
     n = len(ids)
     return Tokenized(input_ids=ids[:max_seq_len], loss_mask=mask[:max_seq_len],
                      num_tokens_untruncated=n)

@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 
 from eagle_ray.config import Recipe
 from eagle_ray.targets.resolve import resolve_target_path
-from eagle_ray.extract.stage import INPUT_COLUMNS, ExtractUDF
+from eagle_ray.extract.stage import CAPTURE_COLUMNS, INPUT_COLUMNS, ExtractUDF, with_mask_column
 from eagle_ray.common.provenance import target_fingerprint, tokenizer_fingerprint
 from eagle_ray.store.format import StoreManifest
 from eagle_ray.store.reader import committed_ids
@@ -185,7 +185,7 @@ def _extract_into(recipe: Recipe, table, store: Path, model_dir: Path, manifest:
 
         start_control()  # `eagle-ray scale` resizes this run's pools while it runs
         e = recipe.extract
-        todo = todo.select(list(INPUT_COLUMNS))
+        todo = with_mask_column(todo).select(list(CAPTURE_COLUMNS))
         blocks = [todo.slice(i, e.batch_size) for i in range(0, todo.num_rows, e.batch_size)]
         ds = extraction_dataset(recipe, ray.data.from_arrow(blocks), store, model_dir, manifest)
         extracted, tokens = drain_committed(recipe, ds, manifest, "extract", table.num_rows, skipped, logger)

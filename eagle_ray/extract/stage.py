@@ -33,13 +33,38 @@ from eagle_ray.store.writer import SampleFeatures, StoreWriter
 logger = logging.getLogger(__name__)
 
 INPUT_COLUMNS = ("sample_id", "source", "prompt_token_ids", "completion_token_ids")
+MASK_COLUMN = "completion_loss_mask"
+"""Which completion tokens are in the loss; null: all of them. data.train_turns=all sets it:
+the completion then runs from the first assistant turn to the end, and the user turns and
+tool results inside it are masked out."""
+CAPTURE_COLUMNS = INPUT_COLUMNS + (MASK_COLUMN,)
 
 
-def window(prompt_ids: list[int], completion_ids: list[int], max_seq_len: int):
+def with_mask_column(table: pa.Table) -> pa.Table:
+    """The table with MASK_COLUMN, all null where it has none (train_turns=last outputs)."""
+    if MASK_COLUMN in table.column_names:
+        return table
+    return table.append_column(MASK_COLUMN, pa.nulls(table.num_rows, pa.list_(pa.bool_())))
+
+
+def window(prompt_ids: list[int], completion_ids: list[int], max_seq_len: int,
+           completion_mask: list[bool] | None = None):
     """(input_ids [T] int32, loss_mask [T] bool, untruncated length): end-truncation."""
     ids = np.asarray(list(prompt_ids) + list(completion_ids), dtype=np.int32)
-    mask = np.arange(len(ids)) >= len(prompt_ids)
+    mask = _mask(len(prompt_ids), len(completion_ids), completion_mask)
     return ids[:max_seq_len], mask[:max_seq_len], len(ids)
+
+
+def _mask(n_prompt: int, n_completion: int, completion_mask) -> np.ndarray:
+    mask = np.zeros(n_prompt + n_completion, dtype=bool)
+    if completion_mask is None:
+        mask[n_prompt:] = True
+    else:
+        if len(completion_mask) != n_completion:
+            raise ValueError(f"{MASK_COLUMN} has {len(completion_mask)} entries for "
+                             f"{n_completion} completion tokens")
+        mask[n_prompt:] = np.asarray(completion_mask, dtype=bool)
+    return mask
 
 
 class Windows(Mapping):
@@ -57,6 +82,9 @@ class Windows(Mapping):
         self._row = {sid: i for i, sid in enumerate(ids)}
         self._p_off, self._p = self._flat(table.column("prompt_token_ids"))
         self._c_off, self._c = self._flat(table.column("completion_token_ids"))
+        # Per-row completion masks (None: all in the loss), kept only where a row has one.
+        self._m = ({i: m for i, m in enumerate(table.column(MASK_COLUMN).to_pylist()) if m is not None}
+                   if MASK_COLUMN in table.column_names else {})
         n = (pc.list_value_length(table.column("prompt_token_ids")).to_numpy(zero_copy_only=False)
              .astype(np.int64) + pc.list_value_length(table.column("completion_token_ids"))
              .to_numpy(zero_copy_only=False).astype(np.int64)) if table.num_rows else np.zeros(0, np.int64)
@@ -74,7 +102,7 @@ class Windows(Mapping):
         p = self._p[self._p_off[i]:self._p_off[i + 1]]
         c = self._c[self._c_off[i]:self._c_off[i + 1]]
         ids = np.concatenate([p, c]).astype(np.int32)
-        mask = np.arange(len(ids)) >= len(p)
+        mask = _mask(len(p), len(c), self._m.get(i))
         return ids[:self._max].tolist(), mask[:self._max].tolist(), int(self._n[i])
 
     def length(self, sid: str) -> int:
@@ -100,8 +128,10 @@ def read_windows(conversations: str | Path, max_seq_len: int) -> Windows:
     path = Path(conversations)
     if path.is_dir():
         path = path / "conversations.parquet"
-    t = pq.read_table(path, columns=["sample_id", "status", "prompt_token_ids",
-                                     "completion_token_ids"])
+    cols = ["sample_id", "status", "prompt_token_ids", "completion_token_ids"]
+    if MASK_COLUMN in pq.read_schema(path).names:
+        cols.append(MASK_COLUMN)
+    t = pq.read_table(path, columns=cols)
     t = t.filter(pc.equal(t.column("status"), "ok"))
     return Windows(t, max_seq_len)
 
@@ -181,8 +211,10 @@ class ExtractUDF:
         keep = [i for i, sid in enumerate(cols["sample_id"]) if sid not in done]
         if not keep:
             return INDEX_SCHEMA.empty_table()
+        masks = (batch.column(MASK_COLUMN).to_pylist() if MASK_COLUMN in batch.column_names
+                 else [None] * batch.num_rows)
         windows = [window(cols["prompt_token_ids"][i], cols["completion_token_ids"][i],
-                          self.recipe.data.max_seq_len) for i in keep]
+                          self.recipe.data.max_seq_len, masks[i]) for i in keep]
         feats = self.backend.capture([w[0].tolist() for w in windows])
         samples = [SampleFeatures(sample_id=cols["sample_id"][i], source=cols["source"][i],
                                   input_ids=ids, loss_mask=mask, aux=aux, final=final,

@@ -51,6 +51,9 @@ CONVERSATIONS_SCHEMA = pa.schema([
     pa.field("num_loss_tokens", pa.int32()),
     pa.field("truncated", pa.bool_()),
     pa.field("tools", pa.string()),                   # JSON: the request's tool specs (null: none)
+    # Which completion tokens are in the loss (null: all; data.train_turns=all sets it):
+    # extract.stage.MASK_COLUMN.
+    pa.field("completion_loss_mask", pa.list_(pa.bool_())),
 ])
 
 
@@ -101,10 +104,12 @@ def rejected(sample_id: str, source: str | None, reason: str, message: str) -> d
     return _row(sample_id, source, status="rejected", reason=reason, message=message)
 
 
-def _window(n_prompt: int, n_completion: int, max_seq_len: int) -> dict[str, Any]:
+def _window(n_prompt: int, n_completion: int, max_seq_len: int,
+            completion_mask: list[bool] | None = None) -> dict[str, Any]:
     n = n_prompt + n_completion
-    return {"num_tokens": min(n, max_seq_len),
-            "num_loss_tokens": max(0, min(n, max_seq_len) - n_prompt),
+    kept = min(n, max_seq_len) - n_prompt  # completion tokens inside the window
+    loss = (max(0, kept) if completion_mask is None else sum(completion_mask[:max(0, kept)]))
+    return {"num_tokens": min(n, max_seq_len), "num_loss_tokens": loss,
             "truncated": n > max_seq_len}
 
 
@@ -400,14 +405,19 @@ class LoggedUDF(_Base):
                                      "prompt has none (use mode=regenerate)"))
                 continue
             messages = json.loads(messages_json) + [json.loads(ref_json)]
+            every_turn = self.recipe.data.train_turns == "all"
             try:
-                t = tokenize_conversation(self.tokenizer, messages, sys.maxsize, load_tools(tools_json))
+                t = tokenize_conversation(self.tokenizer, messages, sys.maxsize, load_tools(tools_json),
+                                          all_turns=every_turn)
             except ValueError as e:
                 rows.append(rejected(sid, src, "template_error", str(e)))
                 continue
             first = int(t.loss_mask.argmax())
             prompt_ids = t.input_ids[:first].tolist()
-            completion = t.input_ids[t.loss_mask].tolist()
+            # Every assistant turn: the completion runs to the end of the session, the turns
+            # between (user, tool results) in it but out of the loss.
+            cmask = t.loss_mask[first:].tolist() if every_turn else None
+            completion = (t.input_ids[first:] if every_turn else t.input_ids[t.loss_mask]).tolist()
             ref = messages[-1]
             rows.append(_row(sid, src, status="ok", origin="logged", tools=tools_json,
                              messages=json.dumps(messages, ensure_ascii=False),
@@ -416,7 +426,7 @@ class LoggedUDF(_Base):
                              content=ref["content"], finish_reason="logged",
                              prompt_token_ids=prompt_ids, completion_token_ids=completion,
                              num_prompt_tokens=len(prompt_ids),
-                             num_completion_tokens=len(completion),
+                             num_completion_tokens=len(completion), completion_loss_mask=cmask,
                              **_window(len(prompt_ids), len(completion),
-                                       self.recipe.data.max_seq_len)))
+                                       self.recipe.data.max_seq_len, cmask)))
         return self._table(rows)

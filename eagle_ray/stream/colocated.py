@@ -50,18 +50,23 @@ COLOCATED_SCHEMA = pa.schema([
     pa.field("tools", pa.string()),
     pa.field("prompt_token_ids", pa.list_(pa.int32())),
     pa.field("completion_token_ids", pa.list_(pa.int32())),
+    pa.field("completion_loss_mask", pa.list_(pa.bool_())),  # extract.stage.MASK_COLUMN
 ])
 
 
 def generated_rows(generated: pa.Table) -> pa.Table:
     """Already generated rows (extraction's columns) as COLOCATED_SCHEMA: only the capture."""
+    from eagle_ray.extract.stage import MASK_COLUMN, with_mask_column
+
     n = generated.num_rows
+    generated = with_mask_column(generated)
     return pa.table({
         "sample_id": generated.column("sample_id"), "source": generated.column("source"),
         "messages": pa.nulls(n, pa.string()), "reference": pa.nulls(n, pa.string()),
         "tools": pa.nulls(n, pa.string()),
         "prompt_token_ids": generated.column("prompt_token_ids"),
-        "completion_token_ids": generated.column("completion_token_ids")}).cast(COLOCATED_SCHEMA)
+        "completion_token_ids": generated.column("completion_token_ids"),
+        MASK_COLUMN: generated.column(MASK_COLUMN)}).cast(COLOCATED_SCHEMA)
 
 
 def _prompt_rows(prompts: pa.Table) -> pa.Table:
@@ -72,7 +77,8 @@ def _prompt_rows(prompts: pa.Table) -> pa.Table:
         "messages": prompts.column("messages"), "reference": prompts.column("reference"),
         "tools": prompts.column("tools"),
         "prompt_token_ids": pa.nulls(n, pa.list_(pa.int32())),
-        "completion_token_ids": pa.nulls(n, pa.list_(pa.int32()))}).cast(COLOCATED_SCHEMA)
+        "completion_token_ids": pa.nulls(n, pa.list_(pa.int32())),
+        "completion_loss_mask": pa.nulls(n, pa.list_(pa.bool_()))}).cast(COLOCATED_SCHEMA)
 
 
 def colocated_input(recipe, prompts: Path, done: pa.Array, leftover=None, *,
@@ -128,7 +134,7 @@ class ColocatedUDF(Regenerate):
             return self._finish(cols, rows, todo, outputs)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from eagle_ray.extract.stage import INPUT_COLUMNS as EXTRACT_COLUMNS
+        from eagle_ray.extract.stage import CAPTURE_COLUMNS as EXTRACT_COLUMNS
         from eagle_ray.stream.parts import write_part
 
         fresh = pc.is_null(batch.column("completion_token_ids"))

@@ -19,15 +19,15 @@ def write_part(batch: pa.Table, parts_dir: str, skip: pa.Array | None = None) ->
     """Ray Data task: write one generated batch as a part (atomic); return its ok rows,
     reduced to the columns extraction reads, less `skip` (samples already in the store whose
     part was lost: generated again for the record, not extracted twice)."""
-    from eagle_ray.extract.stage import INPUT_COLUMNS
+    from eagle_ray.extract.stage import CAPTURE_COLUMNS
     from eagle_ray.generate.stage import CONVERSATIONS_SCHEMA
     from eagle_ray.common.atomic import atomic_write_parquet
 
     if batch.num_rows == 0:
-        return batch.select(list(INPUT_COLUMNS))
+        return batch.cast(CONVERSATIONS_SCHEMA).select(list(CAPTURE_COLUMNS))
     batch = batch.cast(CONVERSATIONS_SCHEMA)
     atomic_write_parquet(Path(parts_dir) / f"part-{time.time_ns()}-{uuid.uuid4().hex[:8]}.parquet", batch)
     ok = pc.equal(batch.column("status"), "ok")
     if skip is not None and len(skip):
         ok = pc.and_(ok, pc.invert(pc.is_in(batch.column("sample_id"), value_set=skip)))
-    return batch.filter(ok).select(list(INPUT_COLUMNS))
+    return batch.filter(ok).select(list(CAPTURE_COLUMNS))

@@ -107,7 +107,7 @@ def run_generate_extract(recipe: Recipe, prompts: str | Path, gen_dir: str | Pat
 def _stream(recipe: Recipe, prompts: Path, parts_dir: Path, store: Path, model_dir: Path,
             manifest) -> tuple[int, int, int, int]:
     """(prompts generated, samples extracted, tokens extracted, samples committed before)."""
-    from eagle_ray.extract.stage import INPUT_COLUMNS
+    from eagle_ray.extract.stage import CAPTURE_COLUMNS
     from eagle_ray.generate.prompts import ParquetRows
     from eagle_ray.generate.run import compact_parts, done_prompts
 
@@ -118,7 +118,7 @@ def _stream(recipe: Recipe, prompts: Path, parts_dir: Path, store: Path, model_d
     if colocated:
         from eagle_ray.stream.colocated import colocated_dataset, colocated_input, generated_rows
     # Rows already generated: in extraction batches, or in the colocated replica's rows.
-    leftover = (ParquetRows(parts, list(INPUT_COLUMNS), exclude=committed, only_ok=True,
+    leftover = (ParquetRows(parts, list(CAPTURE_COLUMNS), exclude=committed, only_ok=True,
                             block_rows=(recipe.generate if colocated else recipe.extract).batch_size,
                             convert=generated_rows if colocated else None) if n_left else None)
 

@@ -267,3 +267,74 @@ def test_a_final_tool_call_turn_is_masked_with_its_calls(templates, target):
     assert masked == full[len(prefix):].rstrip("\n")
     assert masked.startswith("Let me look.") and masked.endswith("<|im_end|>")
     assert '"place": "lake"' in masked and "find_animals" in masked
+
+
+@pytest.mark.parametrize("target", ["tiny", "kimi"])
+def test_train_turns_all_masks_exactly_every_assistant_turn(templates, target):
+    """data.train_turns=all (keep-logged): the loss covers every assistant turn of the session
+    (text and calls, as rendered in the history) and nothing else. Oracle: the rendered
+    ChatML text cut at its assistant headers, each body up to and with its <|im_end|>."""
+    from transformers import AutoTokenizer
+
+    from eagle_ray.data.chat import render
+    from eagle_ray.data.tokenize import tokenize_conversation
+
+    tok = AutoTokenizer.from_pretrained(str(templates[target]))
+    sessions = [json.loads(line) for line in EXAMPLE.read_text().splitlines()]
+    rec = next(r for r in sessions if "_expect" not in r and len(r.get("messages", ())) > 12)
+    prompt, ref, _, tools = parse_record(rec)
+    msgs = prompt + [ref]
+    t = tokenize_conversation(tok, msgs, 1 << 20, tools, all_turns=True)
+    # The masked tokens, as runs of consecutive positions.
+    runs, cur = [], []
+    for i, m in enumerate(t.loss_mask):
+        if m:
+            cur.append(int(t.input_ids[i]))
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    if cur:
+        runs.append(tok.decode(cur))
+    full = render(tok, [msgs], [tools])[0]
+    header = "<|im_start|>assistant\n"
+    bodies = [part[:part.index("<|im_end|>") + len("<|im_end|>")] for part in full.split(header)[1:]]
+    assistants = [m for m in msgs if m["role"] == "assistant"]
+    assert len(bodies) == len(assistants) >= 6
+    assert runs == bodies
+    for body, m in zip(bodies, assistants):
+        assert m["content"] in body
+        for c in m.get("tool_calls", ()):
+            assert c["function"]["name"] in body or c["id"] in body
+    # train_turns=last on the same session: only the final turn.
+    last = tokenize_conversation(tok, msgs, 1 << 20, tools)
+    assert tok.decode(t.input_ids[last.loss_mask]) == bodies[-1]
+    assert (last.input_ids == t.input_ids).all()
+
+
+def test_train_turns_all_needs_keep_logged():
+    from eagle_ray.recipes import load_recipe
+
+    assert load_recipe("tiny_cpu", ["data.train_turns=all", "generate.mode=keep_logged"]).data.train_turns == "all"
+    with pytest.raises(ValueError, match="train_turns=all .* needs generate.mode=keep_logged"):
+        load_recipe("tiny_cpu", ["data.train_turns=all"])
+    with pytest.raises(ValueError, match="choose last or all"):
+        load_recipe("tiny_cpu", ["data.train_turns=some"])
+
+
+def test_a_completion_mask_reaches_the_training_window():
+    import pyarrow as pa
+
+    from eagle_ray.extract.stage import MASK_COLUMN, Windows, window, with_mask_column
+
+    ids, mask, n = window([1, 2], [3, 4, 5, 6], 5, [True, False, True, True])
+    assert ids.tolist() == [1, 2, 3, 4, 5] and mask.tolist() == [False, False, True, False, True] and n == 6
+    assert window([1, 2], [3, 4], 8)[1].tolist() == [False, False, True, True]  # null: all
+    with pytest.raises(ValueError, match="2 entries for 3 completion tokens"):
+        window([1], [2, 3, 4], 8, [True, False])
+    t = pa.table({"sample_id": ["a", "b"], "prompt_token_ids": [[1], [1, 2]],
+                  "completion_token_ids": [[2, 3, 4], [3]]})
+    w = Windows(with_mask_column(t), 8)
+    assert w["a"][1] == [False, True, True, True] and w["b"][1] == [False, False, True]
+    t = t.append_column(MASK_COLUMN, pa.array([[True, False, True], None], pa.list_(pa.bool_())))
+    w = Windows(t, 3)
+    assert w["a"] == ([1, 2, 3], [False, True, False], 4) and w["b"][1] == [False, False, True]
