@@ -138,6 +138,19 @@ def _call(name: Any, args: Any, call_id: Any, where: str) -> dict:
             "function": {"name": name, "arguments": _arguments(args, where)}}
 
 
+def _function_of(item: Any, where: str, code: str) -> dict:
+    """The "function" object of a {"type": "function", "function": {...}} entry (a call or
+    a tool spec)."""
+    if type(item) is not dict:
+        raise Reject(code, f"{where} must be an object, got {type_name(item)}")
+    if item.get("type", "function") != "function":
+        raise Reject(code, f"{where}.type {_short(item.get('type'))} is not \"function\"")
+    fn = item.get("function")
+    if type(fn) is not dict:
+        raise Reject(code, f"{where}.function must be an object, got {type_name(fn)}")
+    return fn
+
+
 def _tool_calls(m: dict, where: str) -> list[dict]:
     """An assistant message's calls (tool_calls, or the legacy function_call); ids None
     where the log has none (named later, in session order)."""
@@ -149,13 +162,7 @@ def _tool_calls(m: dict, where: str) -> list[dict]:
             raise Reject("bad_tool_call", f"{where}.tool_calls must be a list, got {type_name(calls)}")
         for j, c in enumerate(calls):
             w = f"{where}.tool_calls[{j}]"
-            if type(c) is not dict:
-                raise Reject("bad_tool_call", f"{w} must be an object, got {type_name(c)}")
-            if c.get("type", "function") != "function":
-                raise Reject("bad_tool_call", f"{w}.type {_short(c.get('type'))} is not \"function\"")
-            fn = c.get("function")
-            if type(fn) is not dict:
-                raise Reject("bad_tool_call", f"{w}.function must be an object, got {type_name(fn)}")
+            fn = _function_of(c, w, "bad_tool_call")
             out.append(_call(fn.get("name"), fn.get("arguments"), c.get("id"), f"{w}.function"))
     if legacy is not None:
         if type(legacy) is not dict:
@@ -315,16 +322,10 @@ def _tools(obj: dict) -> list[dict] | None:
             raise Reject("bad_tools", f'"{key}" must be a list of function specs, got {type_name(raw)}')
         for j, spec in enumerate(raw):
             where = f"{key}[{j}]"
-            if type(spec) is not dict:
-                raise Reject("bad_tools", f"{where} must be an object, got {type_name(spec)}")
-            if "function" in spec or "type" in spec:  # {"type": "function", "function": {...}}
-                if spec.get("type", "function") != "function":
-                    raise Reject("bad_tools", f"{where}.type {_short(spec.get('type'))} is not \"function\"")
-                fn = spec.get("function")
-                if type(fn) is not dict:
-                    raise Reject("bad_tools", f"{where}.function must be an object, got {type_name(fn)}")
-            else:  # a bare spec: legacy "functions", glaive-style "tools"
-                fn = spec
+            if type(spec) is dict and "function" not in spec and "type" not in spec:
+                fn = spec  # a bare spec: legacy "functions", glaive-style "tools"
+            else:  # {"type": "function", "function": {...}}
+                fn = _function_of(spec, where, "bad_tools")
             name = fn.get("name")
             if type(name) is not str or _blank(name):
                 raise Reject("bad_tools", f"{where} has no function name")
