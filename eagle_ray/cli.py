@@ -141,7 +141,11 @@ def cmd_ingest(args) -> int:
     annotate = None if args.no_lengths else length_annotator(_recipe(args), workers=args.token_workers)
     res = ingest(sources, args.out, seed=args.seed, annotate=annotate)  # progress: logging
     for src, c in res.per_source.items():
-        print(f"{src}: " + ", ".join(f"{k} {v:,}" for k, v in c.items()))
+        reasons = res.reject_reasons_per_source.get(src)
+        print(f"{src}: " + ", ".join(f"{k} {v:,}" for k, v in c.items())
+              + (f" ({', '.join(f'{k} {v:,}' for k, v in reasons.items())})" if reasons else "")
+              + (f"; {res.with_tools[src]:,} of the accepted are agent sessions (with tools)"
+                 if res.with_tools.get(src) else ""))
     print(summary_line(res.counters()))
     if res.reject_reasons:
         print("rejects by reason: " + ", ".join(f"{k} {v:,}" for k, v in sorted(res.reject_reasons.items())))

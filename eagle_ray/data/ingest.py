@@ -96,6 +96,10 @@ class IngestResult:
     sampled_out: int
     per_source: dict[str, dict[str, int]]
     reject_reasons: dict[str, int]
+    # source label -> reject reason -> count (image parts show here as non_text_part).
+    reject_reasons_per_source: dict[str, dict[str, int]] = field(default_factory=dict)
+    # source label -> accepted samples whose request carried tools (agent sessions).
+    with_tools: dict[str, int] = field(default_factory=dict)
     # source label -> how many samples a count asked for but the source did not have.
     shortfall: dict[str, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
@@ -183,6 +187,7 @@ class _Ingestor:
         self.progress = progress
         self.warnings: list[str] = []
         self.reject_reasons: dict[str, int] = {}
+        self.source_reasons: dict[str, dict[str, int]] = {s.name: {} for s in sources}
         self.per_source = {s.name: dict.fromkeys(COUNTERS, 0) for s in sources}
         self.formats = {s.name: {"openai": 0, "sharegpt": 0, "plain": 0} for s in sources}
         self.file_info: list[dict[str, Any]] = []
@@ -212,6 +217,8 @@ class _Ingestor:
                 code: str, message: str, raw: bytes, raw_len: int) -> None:
         counts["rejected"] += 1
         self.reject_reasons[code] = self.reject_reasons.get(code, 0) + 1
+        by_source = self.source_reasons.setdefault(source, {})
+        by_source[code] = by_source.get(code, 0) + 1
         rejects.write_row(
             {
                 "source": source,
@@ -552,6 +559,14 @@ def _report(ing: _Ingestor, totals: dict[str, int], reject_reasons: dict[str, in
     }
 
 
+def _with_tools(table: pa.Table, labels: list[str]) -> dict[str, int]:
+    """Accepted samples per source whose request carried tools (agent sessions)."""
+    import pyarrow.compute as pc
+
+    has = table.filter(pc.is_valid(table.column("tools"))).column("source").to_pylist()
+    return {label: has.count(label) for label in labels}
+
+
 def _write_report(out: Path, report: dict[str, Any], files: list[AtomicFile]) -> None:
     """Write the report to a new atomic ``report.json``, added to `files`."""
     rep = AtomicFile(out / REPORT_FILE)
@@ -622,10 +637,15 @@ def ingest(
             ing.say("no sample was accepted; writing empty outputs", warn=True)
 
         _write_prompts(out, table, files)
+        with_tools = _with_tools(table, [s.name for s in sources])
         del table
 
         reject_reasons = dict(sorted(ing.reject_reasons.items()))
-        _write_report(out, _report(ing, totals, reject_reasons, sel_info, shortfall), files)
+        per_source_reasons = {k: dict(sorted(v.items())) for k, v in ing.source_reasons.items()}
+        report = _report(ing, totals, reject_reasons, sel_info, shortfall)
+        report["reject_reasons_per_source"] = per_source_reasons
+        report["with_tools"] = with_tools
+        _write_report(out, report, files)
         _commit_outputs(out, files)
     except BaseException:
         for af in files:
@@ -637,6 +657,8 @@ def ingest(
         out_dir=out,
         per_source=ing.per_source,
         reject_reasons=reject_reasons,
+        reject_reasons_per_source=per_source_reasons,
+        with_tools=with_tools,
         shortfall=shortfall,
         warnings=ing.warnings,
         **totals,

@@ -37,6 +37,14 @@ def test_the_example_sessions_are_accounted_for_and_each_broken_kind_named(tmp_p
     rows = _rows(res)
     with_tools = [r for r in rows if r["tools"] is not None]
     assert len(with_tools) == len(rows)  # every accepted session offered tools
+    # Per source, in the result and the report: which kinds were rejected, how many agent
+    # sessions were kept (an image session shows as its source's non_text_part).
+    from collections import Counter
+
+    report = json.loads((res.out_dir / "report.json").read_text())
+    assert res.reject_reasons_per_source == report["reject_reasons_per_source"] == {
+        "agentic": dict(sorted(Counter(broken.values()).items()))}
+    assert res.with_tools == report["with_tools"] == {"agentic": len(rows)}
     # Tool calls and results survive, ids named, each result tied to its call.
     calls = results = 0
     for r in rows:
