@@ -76,9 +76,16 @@ def make_manifest(recipe: Recipe, model_dir: Path, generation: dict | None = Non
 
 
 def check_target_shape(recipe: Recipe, model_dir: Path) -> None:
-    """The recipe's architecture numbers must describe the model on disk."""
+    """The recipe's architecture numbers must describe the model on disk, and its training
+    window must fit the capture engine."""
     import json
 
+    n, limit = recipe.data.max_seq_len, recipe.engine.max_model_len
+    if recipe.extract.backend == "vllm" and limit is not None and n >= limit:
+        # vLLM's capture is a prefill plus one generated token: a full window needs n + 1.
+        raise ValueError(f"data.max_seq_len={n} does not fit the capture engine's engine.max_model_len="
+                         f"{limit} (a window of n tokens needs n + 1): set data.max_seq_len below "
+                         f"{limit} or engine.max_model_len above {n}")
     cfg_path = model_dir / "config.json"
     if not cfg_path.exists():
         return

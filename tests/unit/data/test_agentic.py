@@ -346,3 +346,14 @@ def test_a_completion_mask_reaches_the_training_window():
     t = t.append_column(MASK_COLUMN, pa.array([[True, False, True], None], pa.list_(pa.bool_())))
     w = Windows(t, 3)
     assert w["a"] == ([1, 2, 3], [False, True, False], 4) and w["b"][1] == [False, False, True]
+
+
+def test_a_window_longer_than_the_capture_engine_is_refused_before_work(tmp_path):
+    """Found on the agent sessions: max_seq_len = max_model_len failed inside vLLM mid-run."""
+    from eagle_ray.extract.run import check_target_shape
+    from eagle_ray.recipes import load_recipe
+
+    check_target_shape(load_recipe("tiny_cpu", ["data.max_seq_len=1023"]), tmp_path)  # fits
+    with pytest.raises(ValueError, match=r"data.max_seq_len=1024 does not fit .*engine.max_model_len=1024"):
+        check_target_shape(load_recipe("tiny_cpu", ["data.max_seq_len=1024"]), tmp_path)
+    check_target_shape(load_recipe("tiny_cpu", ["data.max_seq_len=1024", "extract.backend=hf"]), tmp_path)
