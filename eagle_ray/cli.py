@@ -502,12 +502,16 @@ def main(argv: list[str] | None = None) -> int:
     from eagle_ray.common.errors import run_for_a_person
 
     signals.install()  # SIGTERM / Ctrl-C: one line with what is kept (kept_after_stop)
+    from_command_line = argv is None
     args = build_parser().parse_args(argv)
     args.verbose = args.verbose or logs.verbose()  # -v or EAGLE_RAY_LOG_LEVEL=DEBUG
 
     def command() -> int:
         # Quiet console, the run's log file under --out for the commands that run Ray / vLLM.
-        logs.setup(args.out if args.command in LOGGED_COMMANDS else None, verbose_flag=args.verbose)
+        log_dir = logs.setup(args.out if args.command in LOGGED_COMMANDS else None,
+                             verbose_flag=args.verbose)
+        if from_command_line:  # not when a test calls main() in its own process
+            logs.filter_native_stderr(log_dir)
         return args.fn(args)
 
     return run_for_a_person(command, f"eagle-ray {args.command}", verbose=args.verbose,

@@ -38,7 +38,9 @@ def main(argv=None) -> int:
     args.verbose = args.verbose or logs.verbose()
 
     def job() -> int:
-        logs.setup(args.out, verbose_flag=args.verbose)
+        log_dir = logs.setup(args.out, verbose_flag=args.verbose)
+        if argv is None:  # the job's own process, not a test calling main()
+            logs.filter_native_stderr(log_dir)
         run_end_to_end(load_recipe(args.recipe, args.set), args.data or SAMPLE_DATA, args.out,
                        online=args.online)
         return 0

@@ -20,6 +20,8 @@ The knobs are the libraries' own, set where each process starts, not text filter
 
 Known-harmless warnings we cannot fix go to the file only, silenced at their source (a
 logger name, or a warnings filter), each with why: `QUIET_SOURCES` and `_quiet_warnings`.
+Ray's C++ core writes a few straight to file descriptor 2, where no logger sees them: the
+commands put a filter there (`filter_native_stderr`, `common/native_stderr.KNOWN`).
 """
 
 from __future__ import annotations
@@ -314,6 +316,17 @@ def setup(out_dir: str | Path | None = None, *, verbose_flag: bool = False,
     os.environ.update(env)  # this process (vLLM and Ray Data read them at import) and a local Ray
     _configure_libraries()
     return log_dir
+
+
+def filter_native_stderr(log_dir: Path | None) -> bool:
+    """Lines Ray's C++ core writes to fd 2 (below logging) that are known harmless go to
+    OUT/logs with the reason instead of the console (`common/native_stderr`). Off with -v,
+    or without a run directory."""
+    if log_dir is None or verbose():
+        return False
+    from eagle_ray.common import native_stderr
+
+    return native_stderr.install(log_dir)
 
 
 def add_file_handler(role: str) -> None:

@@ -43,6 +43,11 @@ def interactive() -> bool:
     """A person at a terminal (and not told otherwise by EAGLE_RAY_PLAIN_PROGRESS=1)."""
     if os.environ.get("EAGLE_RAY_PLAIN_PROGRESS") == "1":
         return False
+    from eagle_ray.common import native_stderr
+
+    tty = native_stderr.console_is_tty()  # fd 2 is the filter's pipe, in front of the console
+    if tty is not None:
+        return tty
     try:  # the real stderr: the CLI wraps sys.stderr to keep tracebacks behind -v
         return sys.__stderr__.isatty()
     except (AttributeError, ValueError):
