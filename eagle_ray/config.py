@@ -206,6 +206,12 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     """vLLM's token budget per engine step (None: vLLM's default; with chunked prefill off, at
     least max_model_len)."""
+    memory_per_replica_bytes: int | None = None
+    """Host memory a replica actor asks Ray for (Ray's `memory` resource). None: estimated
+    (`eagle_ray.vllm.engine.replica_memory_bytes`: the process's own ~1.2 GiB, plus on the CPU
+    the weights at the engine's dtype and the KV cache, with 25% headroom), so Ray places
+    replicas by the memory they use and Ray Data does not warn that a replica uses GiBs while
+    requesting none (it did, every 30 s, for SmolLM2's 2.7 GiB extractor)."""
     enable_chunked_prefill: bool | None = None
     """None: vLLM's default. The CPU recipes turn it off: vLLM rewinds a sampled request's
     generator when its prefill is split across steps, and CPU torch generators cannot rewind
@@ -221,6 +227,8 @@ class EngineConfig:
             raise ValueError(f"engine.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.num_cpus_per_replica < 0:
             raise ValueError("engine.num_cpus_per_replica must be >= 0")
+        if self.memory_per_replica_bytes is not None and self.memory_per_replica_bytes < 0:
+            raise ValueError("engine.memory_per_replica_bytes must be >= 0 (0: ask for none)")
         if self.enable_chunked_prefill is False and self.max_model_len is None:
             raise ValueError("engine.enable_chunked_prefill=false needs engine.max_model_len "
                              "(every prompt must then fit one step's token budget)")

@@ -182,11 +182,16 @@ class Regenerate(_Base):
                 text = render(self.tokenizer, [messages], [load_tools(cols["tools"][i])],
                               add_generation_prompt=True)[0]
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            room = self.max_model_len - len(ids)
+            # Training sees the first data.max_seq_len tokens of a sample (extraction cuts the
+            # rest), so tokens generated past it would be paid for and thrown away.
+            limit = min(self.max_model_len, self.recipe.data.max_seq_len)
+            room = limit - len(ids)
             if room < 1:
+                what = ("the context limit" if limit == self.max_model_len
+                        else "data.max_seq_len (the training window)")
                 rows[i] = rejected(sid, src, "prompt_too_long",
-                                   f"prompt has {len(ids):,} tokens; the context limit is "
-                                   f"{self.max_model_len:,}, leaving no room to generate")
+                                   f"prompt has {len(ids):,} tokens; {what} is {limit:,}, "
+                                   "leaving no room to generate")
                 continue
             params = self._sampling(min(g.max_tokens, room), sid)
             started = text.rstrip().endswith(g.think_start)

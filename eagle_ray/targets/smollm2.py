@@ -18,9 +18,10 @@ Three traps on the way (each silent or fatal otherwise):
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -57,7 +58,6 @@ def build_smollm2(out: str | Path) -> dict:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # bars on the console; the log says what is built
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF reader's own bar (a raw tqdm)
 
     t0 = time.time()
     src = gguf_path()
@@ -67,8 +67,14 @@ def build_smollm2(out: str | Path) -> dict:
     if not tok.chat_template:
         raise ValueError(f"{src} carries no chat template")
     tok.save_pretrained(str(out))
-    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
-                                                 dtype=torch.float32)
+    # The GGUF reader draws its own tqdm bar (TQDM_DISABLE is read when tqdm is imported,
+    # too early to set here): what it writes to stderr goes to the log file instead.
+    held = io.StringIO()
+    with contextlib.redirect_stderr(held):
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
+                                                     dtype=torch.float32)
+    if held.getvalue().strip():
+        logger.info("while reading %s: %s", src.name, held.getvalue().strip()[-2000:])
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)  # trap 1
     cfg["architectures"] = ["LlamaForCausalLM"]  # trap 2

@@ -74,7 +74,7 @@ def start_servers(recipe, model_dir: Path, timeout_s: float = 900.0) -> list:
     import ray
 
     from eagle_ray.ops.control import NAMESPACE, job_key
-    from eagle_ray.vllm.engine import ENGINE_ENV
+    from eagle_ray.vllm.engine import ENGINE_ENV, replica_memory_bytes
 
     e, tp = recipe.extract, recipe.target.tensor_parallel_size
     gpus = 1 if e.gpus_per_replica > 0 and tp == 1 else 0  # TP > 1: vLLM's executor places them
@@ -82,6 +82,7 @@ def start_servers(recipe, model_dir: Path, timeout_s: float = 900.0) -> list:
     key = job_key()
     servers = [cls.options(name=f"online-extractor-{i}:{key}", namespace=NAMESPACE,
                            num_cpus=e.num_cpus_per_replica, num_gpus=gpus, max_restarts=0,
+                           memory=replica_memory_bytes(recipe, e.gpus_per_replica, model_dir),
                            runtime_env={"env_vars": ENGINE_ENV}).remote(recipe, str(model_dir))
                for i in range(e.max_replicas)]
     try:

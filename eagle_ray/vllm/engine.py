@@ -109,6 +109,60 @@ def run_requests(llm, requests: list) -> list:
     return results
 
 
+# A replica's own host memory (USS) with a tiny model: Python, torch, vLLM, Ray's worker.
+# Measured: SmolLM2's CPU extractor at 2.7 GiB = this + 0.54 GiB of fp32 weights + 1 GiB
+# of KV cache (Ray Data's memory detector, README "Memory").
+REPLICA_BASE_BYTES = int(1.2 * (1 << 30))
+_DTYPE_BYTES = {"float32": 4, "float": 4, "F32": 4, "float16": 2, "half": 2, "F16": 2,
+                "bfloat16": 2, "BF16": 2, "F8_E4M3": 1, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
+
+
+def checkpoint_weights(model_dir) -> tuple[int, int]:
+    """(parameters, bytes on disk) of a checkpoint's safetensors files, from their headers
+    (JSON; no tensor is read)."""
+    import json
+    import struct
+    from pathlib import Path
+
+    params = nbytes = 0
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            count = 1
+            for d in t["shape"]:
+                count *= d
+            params += count
+            nbytes += t["data_offsets"][1] - t["data_offsets"][0]
+    return params, nbytes
+
+
+def replica_memory_bytes(recipe: Recipe, gpus_per_replica: int, model_dir=None) -> int:
+    """Host memory one engine replica uses (`engine.memory_per_replica_bytes`, or estimated):
+    its process, and on the CPU the weights at the engine's dtype and the KV cache; 25%
+    headroom, as Ray Data's own recommendation adds."""
+    e = recipe.engine
+    if e.memory_per_replica_bytes is not None:
+        return e.memory_per_replica_bytes
+    need = REPLICA_BASE_BYTES
+    if gpus_per_replica == 0:
+        if model_dir is None:
+            from eagle_ray.targets.resolve import resolve_target_path
+
+            model_dir = resolve_target_path(recipe.target)
+        try:
+            params, nbytes = checkpoint_weights(model_dir)
+        except (OSError, ValueError, KeyError):
+            params, nbytes = 0, 0
+        per = _DTYPE_BYTES.get(e.dtype)
+        need += params * per if per else nbytes
+        need += e.kv_cache_memory_bytes or 0
+    return int(need * 1.25)
+
+
 def pool_kwargs(recipe: Recipe, *, min_size: int, max_size: int, gpus_per_replica: int,
                 batch_size: int, num_cpus: float, max_concurrency: int = 1,
                 child_engine: bool = False) -> dict[str, Any]:
@@ -136,6 +190,9 @@ def pool_kwargs(recipe: Recipe, *, min_size: int, max_size: int, gpus_per_replic
         runtime_env={"env_vars": {**ENGINE_ENV, **(CHILD_ENGINE_ENV if child_engine else {})}},
         num_cpus=num_cpus)
     kw["num_gpus"] = 1 if gpus_per_replica > 0 and tp == 1 else 0
+    memory = replica_memory_bytes(recipe, gpus_per_replica)
+    if memory:
+        kw["memory"] = memory
     return kw
 
 
