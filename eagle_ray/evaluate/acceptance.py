@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,38 @@ class _Tally:
         return out
 
 
+# Where a target's template writes an assistant's tool calls, by the vLLM tool parser the
+# recipe names (serve.tool_call_parser): the text from the first marker to the second.
+TOOL_CALL_MARKERS = {
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "kimi_k2": ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
+}
+TURN_KINDS = ("tool_call", "text")
+
+
+def tool_call_tokens(tokenizer, ids: list[int], markers: tuple[str, str]) -> list[bool]:
+    """Per token of `ids`: inside a tool-call section (markers included). Each token is decoded
+    on its own and the pieces laid end to end, so a marker is found where the template wrote
+    it whatever the tokenizer made of it; a section left open runs to the end."""
+    begin, end = markers
+    pieces = [tokenizer.decode([i]) for i in ids]
+    text = "".join(pieces)
+    spans, pos = [], 0
+    while (b := text.find(begin, pos)) >= 0:
+        e = text.find(end, b + len(begin))
+        stop = len(text) if e < 0 else e + len(end)
+        spans.append((b, stop))
+        pos = stop
+    out, at, si = [], 0, 0
+    for piece in pieces:
+        lo, hi = at, at + len(piece)
+        while si < len(spans) and spans[si][1] <= lo:
+            si += 1
+        out.append(si < len(spans) and spans[si][0] < max(hi, lo + 1) and lo < spans[si][1])
+        at = hi
+    return out
+
+
 def _neutral(s: dict) -> dict:
     """Sampling fields with every 'off' spelling as one value (top_k None/0/-1, ...)."""
     top_k = int(s.get("top_k") or 0)
@@ -90,13 +123,17 @@ def sampled_as(manifest: dict, sampling: dict) -> str | None:
 
 @torch.no_grad()
 def offline_acceptance(run_info: dict, drafter_state: dict | None, k: int,
-                       max_samples: int = 256, sampling: dict | None = None) -> dict[str, Any]:
+                       max_samples: int = 256, sampling: dict | None = None,
+                       tool_call_markers: tuple[str, str] | None = None) -> dict[str, Any]:
     """Simulated acceptance on the run's held-out split (drafter_state None = untrained),
     pooled and per source: greedy (the chain of exact argmax matches), and with `sampling`
     (temperature > 0) the acceptance expected at that serving profile for greedy and for
     probabilistic drafting, walking the drafts as vLLM places them
     (`eagle_ray.evaluate.served`); `as_served["exact"]` says whether that expectation is
-    exact (the store sampled at `sampling`) and `as_served["inexact_because"]` why not."""
+    exact (the store sampled at `sampling`) and `as_served["inexact_because"]` why not.
+    With `tool_call_markers` (TOOL_CALL_MARKERS of the recipe's parser), greedy acceptance
+    also by the kind of the first drafted token, inside a tool call or text
+    (`per_turn_kind`, present when the validation samples hold any tool-call tokens)."""
     from eagle_ray.evaluate.served import served_step_rates, walk_drafts
     from eagle_ray.export.drafter import build_drafter
     from eagle_ray.store.reader import HiddenStateStore
@@ -112,16 +149,30 @@ def offline_acceptance(run_info: dict, drafter_state: dict | None, k: int,
     ids = run_info["val_ids"][:max_samples]
     served = sampling is not None and float(sampling.get("temperature") or 0) > 0
     greedy, as_greedy, as_prob = _Tally(k), _Tally(k), _Tally(k)
+    by_kind = {kind: _Tally(k) for kind in TURN_KINDS}
+    tokenizer = None
+    if tool_call_markers:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(run_info["target_dir"])
+        tokenizer.model_max_length = sys.maxsize  # decoded token by token, not fed to a model
     shift = model.shift
     for lo in range(0, len(ids), 16):
         chunk = ids[lo:lo + 16]
         batch = collate(store, chunk)
         out = model.ttt_outputs(batch, ttt_steps=k)
         run = torch.ones_like(out.valid[0])
-        hits = []
+        hits, runs = [], []
         for j in range(k):
             run = run & out.correct[j]  # correct implies valid
+            runs.append(run)
             hits.append(run.sum(-1))
+        tool = None
+        if tokenizer is not None:  # column t drafts token t+2 first (as `served_step_rates`)
+            tool = torch.zeros_like(out.valid[0])
+            for b, row in enumerate(batch["input_ids"].tolist()):
+                t = torch.tensor(tool_call_tokens(tokenizer, row, tool_call_markers))
+                tool[b] = shift(t[None], 2, False)[0]
         rates = None
         if served:  # (a, w) per drafting method (greedy, probabilistic), step, column [2, 2, k, B, T]
             rates = torch.zeros(2, 2, k, *out.valid[0].shape)
@@ -137,12 +188,18 @@ def offline_acceptance(run_info: dict, drafter_state: dict | None, k: int,
             src = source_of.get(sid, "?")
             n = int(out.valid[0][b].sum())
             greedy.add(src, n, [float(h[b]) for h in hits])
+            if tool is not None:
+                for kind, m in (("tool_call", tool[b]), ("text", ~tool[b])):
+                    by_kind[kind].add(kind, int((out.valid[0][b] & m).sum()),
+                                      [float((r[b] & m).sum()) for r in runs])
             if rates is not None and n:
                 keep = out.valid[0][b]
                 start = int(keep.nonzero()[0]) + 1  # the first draft: after the prefill's token
                 for tally, rr in zip((as_greedy, as_prob), rates[:, :, :, b]):
                     tally.add(src, *walk_drafts(rr, keep, start))
     res = greedy.result() | {"samples": len(ids), "k": k}
+    if tokenizer is not None and by_kind["tool_call"].drafts.get("all", 0) > 0:
+        res["per_turn_kind"] = {kind: t.result() for kind, t in by_kind.items()}
     if served:
         why = sampled_as(run_info.get("store_manifest") or {}, sampling)
         res["as_served"] = {"sampling": dict(sampling), "greedy_drafting": as_greedy.result(),
@@ -278,10 +335,13 @@ _STARTING = "eagle_ray-online-run "
 
 def prompts_from_ingest(prompts_dir: str | Path, tokenizer, limit: int,
                         exclude_ids: set[str] | None = None, *,
-                        with_sources: bool = False) -> list[list[int]] | tuple[list[list[int]], list[str]]:
+                        with_sources: bool = False, max_prompt_tokens: int | None = None,
+                        skipped: dict | None = None) -> list[list[int]] | tuple[list[list[int]], list[str]]:
     """Token ids of up to `limit` ingest prompts, skipping every prompt any of whose samples
     is in exclude_ids (sample ids `<prompt>#<j>` exclude their prompt); `with_sources`: also
-    each prompt's source label."""
+    each prompt's source label. A prompt longer than `max_prompt_tokens` (the engine's
+    context less the tokens each run generates) is skipped and counted in
+    `skipped["too_long"]`: vLLM refuses it, which used to end the whole evaluation."""
     from eagle_ray.common.tables import read_stage_table
     from eagle_ray.data.ids import prompt_id
 
@@ -297,7 +357,12 @@ def prompts_from_ingest(prompts_dir: str | Path, tokenizer, limit: int,
             continue
         # Rendered as served: with the request's tools.
         text = render(tokenizer, [json.loads(m)], [load_tools(tools)], add_generation_prompt=True)[0]
-        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            if skipped is not None:
+                skipped["too_long"] = skipped.get("too_long", 0) + 1
+            continue
+        out.append(ids)
         labels.append(src)
         if len(out) >= limit:
             break

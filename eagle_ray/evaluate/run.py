@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, out_dir: str | Path,
                  *, k: int | None = None, limit: int | None = None, seeds: int | None = None,
                  baseline_drafter: str | Path | None = None) -> dict[str, Any]:
-    from transformers import AutoTokenizer
+    from eagle_ray.data.tokenize import load_tokenizer
 
     from eagle_ray.vllm.engine import engine_kwargs
     from eagle_ray.evaluate.acceptance import prompts_from_ingest
@@ -56,11 +56,20 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
                       f"the drafter {drafter_dir} (its run {run_dir})")
     if baseline_drafter is not None:
         baseline_drafter = _check_baseline_drafter(Path(baseline_drafter).resolve(), model_dir)
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = load_tokenizer(recipe.target)
+    skipped: dict[str, int] = {}
     held_out, sources = prompts_from_ingest(prompts, tok, limit, exclude_ids=set(info["train_ids"]),
-                                            with_sources=True)
+                                            with_sources=True, skipped=skipped,
+                                            max_prompt_tokens=held_out_limit(recipe))
     if not held_out:
-        raise ValueError(f"no held-out prompts in {prompts} (all were used for training)")
+        raise ValueError(f"no held-out prompts in {prompts} (all were used for training"
+                         + (f", or {skipped['too_long']} too long for engine.max_model_len="
+                            f"{recipe.engine.max_model_len} with generate.max_tokens="
+                            f"{recipe.generate.max_tokens}" if skipped else "") + ")")
+    if skipped:
+        logger.info("evaluate: %d held-out prompt(s) skipped: longer than engine.max_model_len=%d "
+                 "less generate.max_tokens=%d", skipped["too_long"], recipe.engine.max_model_len,
+                 recipe.generate.max_tokens)
     from eagle_ray.targets.serving import serving_profile
 
     profile = serving_profile(recipe, model_dir)
@@ -68,7 +77,8 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
 
     # Offline: trained vs untrained on the store's validation split, greedy and (expected)
     # as served. (An online-trained run has no store: no offline figures.)
-    offline, offline_untrained = _offline(info, drafter_dir, k, profile if served else None)
+    offline, offline_untrained = _offline(info, drafter_dir, k, profile if served else None,
+                                          recipe.serve.tool_call_parser)
 
     # Online: real vLLM, same prompts, greedy, then once per seed as served.
     ekw = engine_kwargs(recipe, str(model_dir))
@@ -80,6 +90,7 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
                      max_tokens=max_tokens, drafter_dir=drafter_dir, model_dir=model_dir,
                      baseline_drafter=baseline_drafter, offline=offline,
                      offline_untrained=offline_untrained, profile=profile)
+    report["prompts_skipped_too_long"] = skipped.get("too_long", 0)
     _write_outputs(report, out)
     return report
 
@@ -97,15 +108,25 @@ def _training_run(drafter_dir: Path) -> tuple[Path, dict[str, Any]]:
     return run_dir, info
 
 
-def _offline(info: dict[str, Any], drafter_dir: Path, k: int,
-             sampling: dict | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """Offline acceptance of the trained and the untrained drafter (None for both without a store)."""
+def held_out_limit(recipe: Recipe) -> int | None:
+    """The longest held-out prompt the online runs take: the engine's context less the tokens
+    each request generates (None: the model's own context, not known here)."""
+    m = recipe.engine.max_model_len
+    return None if m is None else max(1, m - recipe.generate.max_tokens)
+
+
+def _offline(info: dict[str, Any], drafter_dir: Path, k: int, sampling: dict | None,
+             tool_call_parser: str | None = None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """Offline acceptance of the trained and the untrained drafter (None for both without a
+    store); the trained one also by turn kind where the recipe names a tool-call parser."""
     from safetensors.torch import load_file
 
-    from eagle_ray.evaluate.acceptance import offline_acceptance
+    from eagle_ray.evaluate.acceptance import TOOL_CALL_MARKERS, offline_acceptance
 
     weights = {kname: v for kname, v in load_file(str(drafter_dir / "model.safetensors")).items()}
-    offline = offline_acceptance(info, weights, k, sampling=sampling) if info.get("store") else None
+    offline = offline_acceptance(info, weights, k, sampling=sampling,
+                                 tool_call_markers=TOOL_CALL_MARKERS.get(tool_call_parser or "")
+                                 ) if info.get("store") else None
     offline_untrained = offline_acceptance(info, None, k, sampling=sampling) if info.get("store") else None
     return offline, offline_untrained
 
@@ -406,6 +427,22 @@ def _per_source_table(r: dict) -> str:
             "online over the held-out prompts)\n\n" + head + body)
 
 
+def _per_turn_kind_table(r: dict) -> str:
+    """Greedy acceptance offline by what the first drafted token is: inside an assistant's
+    tool call (its name and JSON arguments, as the template writes them) or text."""
+    kinds = (r.get("offline") or {}).get("per_turn_kind")
+    if not kinds:
+        return ""
+    k = r["k"]
+    head = ("| tokens drafted | drafts | mean acceptance length | " + " | ".join(f"pos {j}" for j in range(k))
+            + " |\n|---|---|---|" + "---|" * k + "\n")
+    body = "".join(f"| {kind.replace('_', ' ')} | {m['num_drafts']:,.0f} | {m['mean_acceptance_length']:.3f} | "
+                   + " | ".join(f"{p:.3f}" for p in m["per_position_acceptance"]) + " |\n"
+                   for kind, m in kinds.items())
+    return ("\n## Tool calls vs text (offline greedy, the store's validation samples, by the first "
+            "drafted token)\n\n" + head + body)
+
+
 def _agreement_words(s: dict) -> str:
     if s["offline_online_agree"] is None:
         return f"not compared: {s['offline_online_not_judged']}."
@@ -468,13 +505,16 @@ def _markdown(r: dict) -> str:
                 + (f", tolerance {s['offline_online_tolerance'][m]:.3f})" if s.get("offline_online_tolerance") else ")")
                 for m, a in s["offline_expected"].items()) + "; " + _agreement_words(s) + "\n")
         served += "\n" + "\n".join(distribution_lines(s["distribution_test"])) + "\n"
-    return (title + f"## Greedy\n\n{r['prompts']} held-out prompts, k = {k}, greedy, "
+    too_long = r.get("prompts_skipped_too_long") or 0
+    skipped = (f" ({too_long} more skipped: longer than the engine's context less max_tokens)"
+               if too_long else "")
+    return (title + f"## Greedy\n\n{r['prompts']} held-out prompts{skipped}, k = {k}, greedy, "
             f"max_tokens {r['max_tokens']}. Acceptance is {r['metric']}.\n\n{head}{body}\n"
             f"Outputs with speculation identical to without: {r['outputs_identical']}.\n"
             + (f"Offline vs online mean acceptance length gap: {r['offline_online_gap']:.3f}.\n"
                if r["offline_online_gap"] is not None else
                "Offline figures: none (the drafter was trained online, without a store).\n")
-            + served + _per_source_table(r))
+            + served + _per_source_table(r) + _per_turn_kind_table(r))
 
 
 def _plot(r: dict, path: Path) -> None:

@@ -357,3 +357,43 @@ def test_a_window_longer_than_the_capture_engine_is_refused_before_work(tmp_path
     with pytest.raises(ValueError, match=r"data.max_seq_len=1024 does not fit .*engine.max_model_len=1024"):
         check_target_shape(load_recipe("tiny_cpu", ["data.max_seq_len=1024"]), tmp_path)
     check_target_shape(load_recipe("tiny_cpu", ["data.max_seq_len=1024", "extract.backend=hf"]), tmp_path)
+
+
+@pytest.mark.parametrize("target,parser", [("tiny", "hermes"), ("kimi", "kimi_k2")])
+def test_tool_call_tokens_are_exactly_the_calls_the_template_wrote(templates, target, parser):
+    """evaluate's per-turn-kind split (acceptance.tool_call_tokens): on a whole rendered
+    session, the tokens it marks decode to exactly the template's tool-call sections, one
+    per assistant turn with calls, each holding its calls' names and arguments."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    from eagle_ray.data.chat import render
+    from eagle_ray.evaluate.acceptance import TOOL_CALL_MARKERS, tool_call_tokens
+
+    tok = AutoTokenizer.from_pretrained(str(templates[target]))
+    begin, end = TOOL_CALL_MARKERS[parser]
+    sessions = [json.loads(line) for line in EXAMPLE.read_text().splitlines()]
+    rec = next(r for r in sessions if "_expect" not in r and len(r.get("messages", ())) > 12)
+    prompt, ref, _, tools = parse_record(rec)
+    msgs = prompt + [ref]
+    text = render(tok, [msgs], [tools])[0]
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    mask = tool_call_tokens(tok, ids, (begin, end))
+    runs, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    if cur:
+        runs.append(tok.decode(cur))
+    # In the rendered text, the sections after the system prompt's tool list (a Hermes
+    # system prompt may name the markers when it explains them).
+    sections = re.findall(re.escape(begin) + ".*?" + re.escape(end), text, flags=re.S)
+    with_calls = [m for m in msgs if m["role"] == "assistant" and m.get("tool_calls")]
+    assert runs == sections and len(runs) >= len(with_calls) >= 3
+    # Each call's name (Hermes) or id (Kimi writes `functions.NAME:IDX` ids) is in a section.
+    calls = [c for m in with_calls for c in m["tool_calls"]]
+    assert all(any(c["function"]["name"] in r or c["id"] in r for r in runs) for c in calls)
