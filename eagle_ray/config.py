@@ -90,7 +90,14 @@ class DataConfig:
     """Tokenization and sample-set size."""
 
     max_seq_len: int = 2048
-    """Sequences longer than this are truncated from the end."""
+    """The training window: a sample is at most this many tokens (see long_sessions)."""
+    long_sessions: str = "cut_history"
+    """A session longer than max_seq_len: "cut_history" keeps the system prompt, the tools,
+    the first user message and the turn learned from (and what it answers), and drops whole
+    turns of the history after the first user message, oldest first (an assistant turn with
+    its tool results), until it fits; the cut is counted per source (stats: cut, cut_tokens).
+    "truncate_end" keeps the first max_seq_len tokens, which loses the final turn of a long
+    session (measured on examples/data/agentic.jsonl at 512: README, Agent sessions)."""
     train_turns: str = "last"
     """Which assistant turns of a session are in the loss: "last" (the final one, the turn
     generation regenerates) or "all" (every assistant turn, as the template renders it in
@@ -107,6 +114,9 @@ class DataConfig:
             raise ValueError(f"data.max_seq_len={self.max_seq_len} is too small; use >= 16")
         if self.train_turns not in ("last", "all"):
             raise ValueError(f"data.train_turns={self.train_turns!r}; choose last or all")
+        if self.long_sessions not in ("cut_history", "truncate_end"):
+            raise ValueError(f"data.long_sessions={self.long_sessions!r}; choose cut_history "
+                             "or truncate_end")
         if self.num_samples is not None and self.num_samples <= 0:
             raise ValueError(f"data.num_samples must be > 0, got {self.num_samples}")
         if self.avg_tokens_per_sample is not None and self.avg_tokens_per_sample <= 0:

@@ -82,6 +82,58 @@ _PROBE = [
 ]
 
 
+def history_units(messages: Sequence[dict[str, Any]], tail_from: int) -> tuple[int, list[tuple[int, int]]]:
+    """(head, units): messages[:head] are always kept (leading system messages and the first
+    user message); `units` are the [start, end) runs of messages[head:tail_from] that can be
+    dropped whole: a user message, or an assistant message with the tool results after it
+    (so a call never loses its result, nor a result its call)."""
+    head = 0
+    while head < len(messages) and messages[head].get("role") == "system":
+        head += 1
+    if head < len(messages) and messages[head].get("role") == "user":
+        head += 1
+    units, i = [], head
+    while i < tail_from:
+        j = i + 1
+        if messages[i].get("role") == "assistant":
+            while j < tail_from and messages[j].get("role") in ("tool", "function"):
+                j += 1
+        units.append((i, j))
+        i = j
+    return head, units
+
+
+def cut_history(count_tokens, messages: list[dict[str, Any]], tail_from: int,
+                budget: int) -> tuple[list[dict[str, Any]], int]:
+    """The session with the fewest oldest history units dropped (`history_units`) whose
+    `count_tokens(messages)` is at most `budget`, and how many messages were dropped. Keeps
+    messages[tail_from:] (the turn learned from, and for a prompt the unit it answers). If
+    no cut fits, the session unchanged (the caller truncates or refuses it as before: a cut
+    that cannot save the final turn only loses earlier ones). Binary search: lengths shrink
+    as units are dropped."""
+    if count_tokens(messages) <= budget:
+        return messages, 0
+    head, units = history_units(messages, tail_from)
+    if not units:
+        return messages, 0
+
+    def cut(d: int) -> list[dict[str, Any]]:
+        start = units[d][0] if d < len(units) else tail_from
+        return messages[:head] + messages[start:]
+
+    lo, hi = 1, len(units)  # the smallest d that fits, or len(units)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if count_tokens(cut(mid)) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    out = cut(lo)
+    if count_tokens(out) > budget:
+        return messages, 0
+    return out, len(messages) - len(out)
+
+
 def template_problem(tokenizer) -> str | None:
     """Why the tokenizer's chat template cannot render an agent session as served, or None:
     the tool specs, a call's name and arguments, and a tool result must all appear."""

@@ -2,7 +2,9 @@
 
 Columnar (Polars, lazily scanned): a million rows take well under a second; no Python loop
 per row. The table needs `num_tokens`, `num_loss_tokens` and `truncated` columns (written by
-`eagle-ray ingest` and later stages) and optionally `source`.
+`eagle-ray ingest` and later stages) and optionally `source`, and `history_cut_tokens`
+(conversations.parquet: sessions whose oldest turns were dropped to fit the window, counted
+as `cut` with their `cut_tokens`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ def find_table(path: str | Path) -> Path:
     return p
 
 
-def _aggs(with_ids: bool = False) -> list[pl.Expr]:
+CUT = "history_cut_tokens"
+
+
+def _aggs(with_ids: bool = False, with_cut: bool = False) -> list[pl.Expr]:
     t = pl.col("num_tokens")
     # Completions of one prompt are "<prompt id>#<j>" (generate.samples_per_prompt).
     prompts = ([pl.col("sample_id").str.split("#").list.first().n_unique().alias("prompts")]
@@ -44,6 +49,8 @@ def _aggs(with_ids: bool = False) -> list[pl.Expr]:
         t.max().alias("max_tokens"),
         pl.col("num_loss_tokens").sum().alias("loss_tokens"),
         pl.col("truncated").sum().alias("truncated"),
+        *([(pl.col(CUT).fill_null(0) > 0).sum().alias("cut"),
+           pl.col(CUT).fill_null(0).cast(pl.Int64).sum().alias("cut_tokens")] if with_cut else []),
     ]
 
 
@@ -56,13 +63,13 @@ def compute_stats(path: str | Path) -> dict[str, Any]:
     if missing:
         raise ValueError(f"{table} has no {', '.join(missing)} column(s); re-run "
                          "`eagle-ray ingest` with token counting on (the default)")
-    ids = "sample_id" in names
-    overall = lf.select(_aggs(ids)).collect().to_dicts()[0]
+    ids, cut = "sample_id" in names, CUT in names
+    overall = lf.select(_aggs(ids, cut)).collect().to_dicts()[0]
     if ids:
         overall["samples_per_prompt"] = overall["samples"] / max(1, overall["prompts"])
     result: dict[str, Any] = {"table": str(table), "overall": overall, "per_source": {}}
     if "source" in names:
-        per = lf.group_by("source").agg(_aggs(ids)).sort("source").collect()
+        per = lf.group_by("source").agg(_aggs(ids, cut)).sort("source").collect()
         result["per_source"] = {r.pop("source"): r for r in per.to_dicts()}
     return result
 
@@ -77,6 +84,8 @@ def format_stats(stats: dict[str, Any]) -> str:
             "p99_tokens", "max_tokens", "loss_tokens", "truncated"]
     if "prompts" in stats["overall"]:
         cols.insert(1, "prompts")
+    if "cut" in stats["overall"]:
+        cols += ["cut", "cut_tokens"]
     rows = [("ALL", stats["overall"])] + list(stats["per_source"].items())
     width = max(12, *(len(name) for name, _ in rows))
 

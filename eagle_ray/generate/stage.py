@@ -54,6 +54,9 @@ CONVERSATIONS_SCHEMA = pa.schema([
     # Which completion tokens are in the loss (null: all; data.train_turns=all sets it):
     # extract.stage.MASK_COLUMN.
     pa.field("completion_loss_mask", pa.list_(pa.bool_())),
+    # Tokens of history dropped to fit data.max_seq_len (data.long_sessions=cut_history; 0:
+    # none): `messages` holds the session as trained on.
+    pa.field("history_cut_tokens", pa.int32()),
 ])
 
 
@@ -104,6 +107,34 @@ def rejected(sample_id: str, source: str | None, reason: str, message: str) -> d
     return _row(sample_id, source, status="rejected", reason=reason, message=message)
 
 
+def fit_session(tokenizer, recipe, messages: list[dict[str, Any]], tools, *, prompt: bool
+                ) -> tuple[list[dict[str, Any]], int]:
+    """`messages` cut to fit the training window (data.long_sessions=cut_history,
+    `data.chat.cut_history`) and the tokens dropped. A whole session (keep-logged, `prompt`
+    False) must fit data.max_seq_len; a prompt (regenerate) must leave room to generate a
+    quarter of the window (or generate.max_tokens if less). The last unit before the end
+    (what the final turn answers) is always kept."""
+    from eagle_ray.data.chat import cut_history, history_units
+
+    if recipe.data.long_sessions != "cut_history":
+        return messages, 0
+    window = recipe.data.max_seq_len
+    budget = window - min(recipe.generate.max_tokens, max(1, window // 4)) if prompt else window
+    final = len(messages) if prompt else len(messages) - 1
+    _, units = history_units(messages, final)
+    tail_from = units[-1][0] if units and units[-1][1] == final else final
+
+    def count(msgs):
+        text = render(tokenizer, [msgs], [tools], add_generation_prompt=prompt)[0]
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    before = count(messages)
+    if before <= budget:
+        return messages, 0
+    out, dropped = cut_history(count, messages, tail_from, budget)
+    return out, (before - count(out)) if dropped else 0
+
+
 def _window(n_prompt: int, n_completion: int, max_seq_len: int,
             completion_mask: list[bool] | None = None) -> dict[str, Any]:
     n = n_prompt + n_completion
@@ -126,6 +157,7 @@ class _Base:
         # warns on the console at its first long agent session.
         self.tokenizer.model_max_length = sys.maxsize
         self.tokenizer_lock = threading.Lock()
+        self._cut: dict[str, int] = {}  # sample id -> history tokens cut, until its row is made
 
     def _table(self, rows: list[dict[str, Any]]) -> pa.Table:
         return pa.Table.from_pylist(rows, schema=CONVERSATIONS_SCHEMA)
@@ -178,10 +210,13 @@ class Regenerate(_Base):
         for i, (sid, src, messages_json) in enumerate(zip(cols["sample_id"], cols["source"],
                                                           cols["messages"])):
             messages = json.loads(messages_json)
+            tools = load_tools(cols["tools"][i])
             with self.tokenizer_lock:  # batches run in threads; HF fast tokenizers are not re-entrant
-                text = render(self.tokenizer, [messages], [load_tools(cols["tools"][i])],
-                              add_generation_prompt=True)[0]
+                messages, cut = fit_session(self.tokenizer, self.recipe, messages, tools, prompt=True)
+                text = render(self.tokenizer, [messages], [tools], add_generation_prompt=True)[0]
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if cut:
+                self._cut[sid] = cut
             # Training sees the first data.max_seq_len tokens of a sample (extraction cuts the
             # rest), so tokens generated past it would be paid for and thrown away.
             limit = min(self.max_model_len, self.recipe.data.max_seq_len)
@@ -189,6 +224,7 @@ class Regenerate(_Base):
             if room < 1:
                 what = ("the context limit" if limit == self.max_model_len
                         else "data.max_seq_len (the training window)")
+                self._cut.pop(sid, None)
                 rows[i] = rejected(sid, src, "prompt_too_long",
                                    f"prompt has {len(ids):,} tokens; {what} is {limit:,}, "
                                    "leaving no room to generate")
@@ -218,6 +254,7 @@ class Regenerate(_Base):
             if reasoning is not None:
                 turn["reasoning_content"] = reasoning
             rows[i] = _row(sid, src, status="ok", origin="regenerated", tools=cols["tools"][i],
+                           history_cut_tokens=self._cut.pop(sid, 0),
                            messages=json.dumps(messages + [turn], ensure_ascii=False),
                            completion_text=c.text, reasoning_content=reasoning, content=content,
                            finish_reason=c.finish_reason, prompt_token_ids=ids,
@@ -411,8 +448,10 @@ class LoggedUDF(_Base):
                 continue
             messages = json.loads(messages_json) + [json.loads(ref_json)]
             every_turn = self.recipe.data.train_turns == "all"
+            tools = load_tools(tools_json)
             try:
-                t = tokenize_conversation(self.tokenizer, messages, sys.maxsize, load_tools(tools_json),
+                messages, cut = fit_session(self.tokenizer, self.recipe, messages, tools, prompt=False)
+                t = tokenize_conversation(self.tokenizer, messages, sys.maxsize, tools,
                                           all_turns=every_turn)
             except ValueError as e:
                 rows.append(rejected(sid, src, "template_error", str(e)))
@@ -425,6 +464,7 @@ class LoggedUDF(_Base):
             completion = (t.input_ids[first:] if every_turn else t.input_ids[t.loss_mask]).tolist()
             ref = messages[-1]
             rows.append(_row(sid, src, status="ok", origin="logged", tools=tools_json,
+                             history_cut_tokens=cut,
                              messages=json.dumps(messages, ensure_ascii=False),
                              completion_text=self.tokenizer.decode(completion),
                              reasoning_content=ref.get("reasoning_content"),

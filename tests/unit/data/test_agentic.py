@@ -397,3 +397,58 @@ def test_tool_call_tokens_are_exactly_the_calls_the_template_wrote(templates, ta
     # Each call's name (Hermes) or id (Kimi writes `functions.NAME:IDX` ids) is in a section.
     calls = [c for m in with_calls for c in m["tool_calls"]]
     assert all(any(c["function"]["name"] in r or c["id"] in r for r in runs) for c in calls)
+
+
+@pytest.mark.parametrize("target", ["tiny", "kimi"])
+def test_a_long_session_loses_its_oldest_turns_not_its_last(templates, target):
+    """data.long_sessions=cut_history (generate/stage.fit_session): a session longer than the
+    window keeps its system prompt, tools, first user message and final turn with what it
+    answers, drops whole units of history oldest first (a call never without its result),
+    as few as fit; truncate_end leaves it to end-truncation, as before."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from eagle_ray.data.chat import render
+    from eagle_ray.generate.stage import fit_session
+    from eagle_ray.recipes import load_recipe
+
+    tok = AutoTokenizer.from_pretrained(str(templates[target]))
+    sessions = [json.loads(line) for line in EXAMPLE.read_text().splitlines()]
+    rec = next(r for r in sessions if "_expect" not in r and len(r.get("messages", ())) > 12)
+    prompt, ref, _, tools = parse_record(rec)
+    msgs = prompt + [ref]
+
+    def n(m, gen=False):
+        return len(tok(render(tok, [m], [tools], add_generation_prompt=gen)[0],
+                       add_special_tokens=False)["input_ids"])
+
+    full = n(msgs)
+    # The window: room for the system prompt with its tools, the first question, the last
+    # call with its results and the answer (~850 tokens here), not for the whole (~1,200).
+    w = 960
+    recipe = load_recipe("tiny_cpu", [f"data.max_seq_len={w}", "engine.max_model_len=2048"])
+    assert full > w
+    cut, dropped = fit_session(tok, recipe, msgs, tools, prompt=False)
+    assert 0 < dropped == full - n(cut) and n(cut) <= w
+    assert cut[0] == msgs[0] and cut[0]["role"] == "system" and cut[1] == msgs[1]
+    assert cut[-1] == msgs[-1] and cut[-2] == msgs[-2]  # the answer and what it answers
+    kept = cut[2:]
+    assert kept == msgs[len(msgs) - len(kept):]  # a suffix: the oldest went first
+    for i, m in enumerate(cut):  # every tool result follows its call's turn
+        if m["role"] == "tool":
+            assert any(p["role"] == "assistant" and p.get("tool_calls") for p in cut[:i])
+            assert cut[i - 1]["role"] in ("assistant", "tool")
+    assert kept[0]["role"] != "tool"
+    # As few dropped as fit: putting back the newest dropped unit overflows.
+    from eagle_ray.data.chat import history_units
+
+    head, units = history_units(msgs, len(msgs) - 1)
+    first_kept = len(msgs) - len(kept)
+    d = [u[0] for u in units].index(first_kept)
+    assert head == 2 and d > 0 and n(msgs[:head] + msgs[units[d - 1][0]:]) > w
+    # A prompt (regenerate) keeps room to generate: generate.max_tokens (128, < w / 4).
+    p_cut, p_dropped = fit_session(tok, recipe, prompt, tools, prompt=True)
+    assert p_dropped > 0 and n(p_cut, gen=True) <= w - 128 and p_cut[-1] == prompt[-1]
+    old = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, long_sessions="truncate_end"))
+    assert fit_session(tok, old, msgs, tools, prompt=False) == (msgs, 0)
