@@ -57,7 +57,32 @@ CONVERSATIONS_SCHEMA = pa.schema([
     # Tokens of history dropped to fit data.max_seq_len (data.long_sessions=cut_history; 0:
     # none): `messages` holds the session as trained on.
     pa.field("history_cut_tokens", pa.int32()),
+    # JSON: the calls in a regenerated turn, parsed back with the target's vLLM tool parser
+    # (serve.tool_call_parser), as the OpenAI server would return them (null: none).
+    pa.field("tool_calls", pa.string()),
 ])
+
+
+def parse_tool_calls(parser_name: str, tokenizer, tools: list[dict] | None,
+                     text: str) -> tuple[str | None, list[dict] | None]:
+    """(content, calls) of generated text, by vLLM's own tool parser (`--tool-call-parser`),
+    as vLLM's OpenAI server splits a completion; (text, None) when it holds no call. Ids the
+    text does not carry (Hermes writes none; the parser invents random ones) become
+    `functions.NAME:IDX`, as ingest names unnamed calls, so a re-run writes the same table."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers import ToolParserManager
+
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": ""}], model="target",
+                                    tools=tools)
+    got = ToolParserManager.get_tool_parser(parser_name)(tokenizer, request.tools) \
+        .extract_tool_calls(text, request)
+    if not got.tools_called or not got.tool_calls:
+        return text, None
+    calls = [{"id": c.id if c.id and c.id in text else f"functions.{c.function.name}:{i}",
+              "type": "function",
+              "function": {"name": c.function.name, "arguments": c.function.arguments}}
+             for i, c in enumerate(got.tool_calls)]
+    return got.content, calls
 
 
 def split_reasoning(text: str, think_start: str, think_end: str,
@@ -250,13 +275,26 @@ class Regenerate(_Base):
             c = out.outputs[0]
             completion = list(c.token_ids)
             reasoning, content = split_reasoning(c.text, g.think_start, g.think_end, started)
+            calls = None
+            parser = self.recipe.serve.tool_call_parser
+            if parser and cols["tools"][i] and content:
+                try:
+                    with self.tokenizer_lock:
+                        content, calls = parse_tool_calls(parser, self.tokenizer,
+                                                          load_tools(cols["tools"][i]), content)
+                except Exception as e:  # the completion is kept as text: a parse is extra
+                    logger.warning("%s: vLLM's %s tool parser failed on its completion (%s: %s); "
+                                   "kept as text", sid, parser, type(e).__name__, e)
             turn = {"role": "assistant", "content": content}
+            if calls:
+                turn["tool_calls"] = calls
             if reasoning is not None:
                 turn["reasoning_content"] = reasoning
             rows[i] = _row(sid, src, status="ok", origin="regenerated", tools=cols["tools"][i],
                            history_cut_tokens=self._cut.pop(sid, 0),
                            messages=json.dumps(messages + [turn], ensure_ascii=False),
                            completion_text=c.text, reasoning_content=reasoning, content=content,
+                           tool_calls=json.dumps(calls, ensure_ascii=False) if calls else None,
                            finish_reason=c.finish_reason, prompt_token_ids=ids,
                            completion_token_ids=completion, num_prompt_tokens=len(ids),
                            num_completion_tokens=len(completion),
@@ -465,6 +503,8 @@ class LoggedUDF(_Base):
             ref = messages[-1]
             rows.append(_row(sid, src, status="ok", origin="logged", tools=tools_json,
                              history_cut_tokens=cut,
+                             tool_calls=(json.dumps(messages[-1]["tool_calls"], ensure_ascii=False)
+                                         if messages[-1].get("tool_calls") else None),
                              messages=json.dumps(messages, ensure_ascii=False),
                              completion_text=self.tokenizer.decode(completion),
                              reasoning_content=ref.get("reasoning_content"),

@@ -452,3 +452,27 @@ def test_a_long_session_loses_its_oldest_turns_not_its_last(templates, target):
     assert p_dropped > 0 and n(p_cut, gen=True) <= w - 128 and p_cut[-1] == prompt[-1]
     old = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, long_sessions="truncate_end"))
     assert fit_session(tok, old, msgs, tools, prompt=False) == (msgs, 0)
+
+
+@pytest.mark.parametrize("target,parser,text,call_id", [
+    ("tiny", "hermes", 'Let me look.\n<tool_call>\n{"name": "find_animals", "arguments": '
+     '{"place": "lake"}}\n</tool_call>', "functions.find_animals:0"),
+    ("kimi", "kimi_k2", "Let me look.<|tool_calls_section_begin|><|tool_call_begin|>"
+     'functions.find_animals:0<|tool_call_argument_begin|>{"place": "lake"}<|tool_call_end|>'
+     "<|tool_calls_section_end|>", "functions.find_animals:0")])
+def test_generated_calls_are_parsed_back_with_the_targets_vllm_parser(templates, target, parser,
+                                                                     text, call_id):
+    """A regenerated turn's calls, split from its text by vLLM's own tool parser (the
+    recipe's serve.tool_call_parser) into the conversations table, ids stable across runs."""
+    from transformers import AutoTokenizer
+
+    from eagle_ray.generate.stage import parse_tool_calls
+
+    tok = AutoTokenizer.from_pretrained(str(templates[target]))
+    tools = [{"type": "function", "function": {"name": "find_animals", "parameters": {
+        "type": "object", "properties": {"place": {"type": "string"}}}}}]
+    content, calls = parse_tool_calls(parser, tok, tools, text)
+    assert content.strip() == "Let me look."
+    assert calls == [{"id": call_id, "type": "function",
+                      "function": {"name": "find_animals", "arguments": '{"place": "lake"}'}}]
+    assert parse_tool_calls(parser, tok, tools, "No call here.") == ("No call here.", None)
