@@ -66,11 +66,7 @@ def install(log_dir: str | Path) -> bool:
     except OSError:
         return False
     os.close(r)
-    for f in (sys.stderr, sys.__stderr__):
-        try:
-            f.flush()
-        except (AttributeError, ValueError, OSError):
-            pass
+    _flush_python_stderr()
     os.dup2(w, 2)
     os.close(w)
     _state.update(pid=os.getpid(), saved=saved, proc=proc, tty=tty)
@@ -87,11 +83,7 @@ def restore(timeout_s: float = 5.0) -> None:
     """Point fd 2 back where it was and let the filter print what it holds."""
     if _state.get("pid") != os.getpid():
         return
-    for f in (sys.stderr, sys.__stderr__):
-        try:
-            f.flush()
-        except (AttributeError, ValueError, OSError):
-            pass
+    _flush_python_stderr()
     os.dup2(_state["saved"], 2)  # our write end of the pipe closes with it
     os.close(_state["saved"])
     proc = _state.pop("proc")
@@ -102,13 +94,20 @@ def restore(timeout_s: float = 5.0) -> None:
         pass
 
 
+def _flush_python_stderr() -> None:
+    for f in (sys.stderr, sys.__stderr__):
+        try:
+            f.flush()
+        except (AttributeError, ValueError, OSError):
+            pass
+
+
 def main(log_path: str) -> int:
     import signal
 
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, signal.SIG_IGN)  # the process we serve decides when we end: at EOF
     out = sys.stdout.buffer
-    held = b""      # the start of a line not yet ended
     passing = False  # this line's start was already passed on (a partial write): pass the rest
     while True:
         try:
@@ -116,9 +115,9 @@ def main(log_path: str) -> int:
         except InterruptedError:
             continue
         if not chunk:
-            break
-        lines = (held + chunk).split(b"\n")
-        held = lines.pop()
+            return 0
+        lines = chunk.split(b"\n")
+        tail = lines.pop()
         for line in lines:
             why = None if passing else known(line)
             passing = False
@@ -126,15 +125,9 @@ def main(log_path: str) -> int:
                 _write(out, line + b"\n")
             else:
                 _note(log_path, line, why)
-        if held and not passing:  # a partial line (a prompt, a progress bar): now, unfiltered
-            _write(out, held)
-            held, passing = b"", True
-        elif held:
-            _write(out, held)
-            held = b""
-    if held:
-        _write(out, held)
-    return 0
+        if tail:  # a partial line (a prompt, a progress bar): now, unfiltered
+            _write(out, tail)
+            passing = True
 
 
 def _write(out, data: bytes) -> None:

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import gc
 import json
-import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -124,15 +123,16 @@ def sampled_as(manifest: dict, sampling: dict) -> str | None:
 @torch.no_grad()
 def offline_acceptance(run_info: dict, drafter_state: dict | None, k: int,
                        max_samples: int = 256, sampling: dict | None = None,
-                       tool_call_markers: tuple[str, str] | None = None) -> dict[str, Any]:
+                       tool_call_mask: Callable[[list[int]], list[bool]] | None = None
+                       ) -> dict[str, Any]:
     """Simulated acceptance on the run's held-out split (drafter_state None = untrained),
     pooled and per source: greedy (the chain of exact argmax matches), and with `sampling`
     (temperature > 0) the acceptance expected at that serving profile for greedy and for
     probabilistic drafting, walking the drafts as vLLM places them
     (`eagle_ray.evaluate.served`); `as_served["exact"]` says whether that expectation is
     exact (the store sampled at `sampling`) and `as_served["inexact_because"]` why not.
-    With `tool_call_markers` (TOOL_CALL_MARKERS of the recipe's parser), greedy acceptance
-    also by the kind of the first drafted token, inside a tool call or text
+    With `tool_call_mask` (token ids -> inside a tool call, per token: `tool_call_tokens`),
+    greedy acceptance also by the kind of the first drafted token, inside a tool call or text
     (`per_turn_kind`, present when the validation samples hold any tool-call tokens)."""
     from eagle_ray.evaluate.served import served_step_rates, walk_drafts
     from eagle_ray.export.drafter import build_drafter
@@ -150,12 +150,6 @@ def offline_acceptance(run_info: dict, drafter_state: dict | None, k: int,
     served = sampling is not None and float(sampling.get("temperature") or 0) > 0
     greedy, as_greedy, as_prob = _Tally(k), _Tally(k), _Tally(k)
     by_kind = {kind: _Tally(k) for kind in TURN_KINDS}
-    tokenizer = None
-    if tool_call_markers:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(run_info["target_dir"])
-        tokenizer.model_max_length = sys.maxsize  # decoded token by token, not fed to a model
     shift = model.shift
     for lo in range(0, len(ids), 16):
         chunk = ids[lo:lo + 16]
@@ -168,10 +162,10 @@ def offline_acceptance(run_info: dict, drafter_state: dict | None, k: int,
             runs.append(run)
             hits.append(run.sum(-1))
         tool = None
-        if tokenizer is not None:  # column t drafts token t+2 first (as `served_step_rates`)
+        if tool_call_mask is not None:  # column t drafts token t+2 first (as `served_step_rates`)
             tool = torch.zeros_like(out.valid[0])
             for b, row in enumerate(batch["input_ids"].tolist()):
-                t = torch.tensor(tool_call_tokens(tokenizer, row, tool_call_markers))
+                t = torch.tensor(tool_call_mask(row))
                 tool[b] = shift(t[None], 2, False)[0]
         rates = None
         if served:  # (a, w) per drafting method (greedy, probabilistic), step, column [2, 2, k, B, T]
@@ -198,7 +192,7 @@ def offline_acceptance(run_info: dict, drafter_state: dict | None, k: int,
                 for tally, rr in zip((as_greedy, as_prob), rates[:, :, :, b]):
                     tally.add(src, *walk_drafts(rr, keep, start))
     res = greedy.result() | {"samples": len(ids), "k": k}
-    if tokenizer is not None and by_kind["tool_call"].drafts.get("all", 0) > 0:
+    if tool_call_mask is not None and by_kind["tool_call"].drafts.get("all", 0) > 0:
         res["per_turn_kind"] = {kind: t.result() for kind, t in by_kind.items()}
     if served:
         why = sampled_as(run_info.get("store_manifest") or {}, sampling)

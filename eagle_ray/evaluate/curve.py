@@ -251,11 +251,10 @@ def _online_largest(recipe, model_dir, out, f, prompts, n, info, profile, k) -> 
 
     from eagle_ray.evaluate.acceptance import online_runs_isolated, prompts_from_ingest
     from eagle_ray.export.drafter import export_drafter
+    from eagle_ray.evaluate.run import held_out_limit
     from eagle_ray.vllm.engine import engine_kwargs
 
     drafter = export_drafter(out / f"frac-{f:g}", out / f"frac-{f:g}" / "drafter")
-    from eagle_ray.evaluate.run import held_out_limit
-
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     held = prompts_from_ingest(prompts, tok, n, exclude_ids=set(info["train_ids"]),
                                max_prompt_tokens=held_out_limit(recipe))

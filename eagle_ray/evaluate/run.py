@@ -78,7 +78,7 @@ def run_evaluate(recipe: Recipe, drafter_dir: str | Path, prompts: str | Path, o
     # Offline: trained vs untrained on the store's validation split, greedy and (expected)
     # as served. (An online-trained run has no store: no offline figures.)
     offline, offline_untrained = _offline(info, drafter_dir, k, profile if served else None,
-                                          recipe.serve.tool_call_parser)
+                                          _tool_call_mask(recipe, tok))
 
     # Online: real vLLM, same prompts, greedy, then once per seed as served.
     ekw = engine_kwargs(recipe, str(model_dir))
@@ -115,18 +115,26 @@ def held_out_limit(recipe: Recipe) -> int | None:
     return None if m is None else max(1, m - recipe.generate.max_tokens)
 
 
+def _tool_call_mask(recipe: Recipe, tokenizer):
+    """Token ids -> inside a tool-call section, per token, by the markers of the recipe's
+    tool-call parser (None where it names none)."""
+    from eagle_ray.evaluate.acceptance import TOOL_CALL_MARKERS, tool_call_tokens
+
+    markers = TOOL_CALL_MARKERS.get(recipe.serve.tool_call_parser or "")
+    return (lambda ids: tool_call_tokens(tokenizer, ids, markers)) if markers else None
+
+
 def _offline(info: dict[str, Any], drafter_dir: Path, k: int, sampling: dict | None,
-             tool_call_parser: str | None = None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+             tool_call_mask=None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """Offline acceptance of the trained and the untrained drafter (None for both without a
-    store); the trained one also by turn kind where the recipe names a tool-call parser."""
+    store); the trained one also by turn kind given a `tool_call_mask`."""
     from safetensors.torch import load_file
 
-    from eagle_ray.evaluate.acceptance import TOOL_CALL_MARKERS, offline_acceptance
+    from eagle_ray.evaluate.acceptance import offline_acceptance
 
     weights = {kname: v for kname, v in load_file(str(drafter_dir / "model.safetensors")).items()}
     offline = offline_acceptance(info, weights, k, sampling=sampling,
-                                 tool_call_markers=TOOL_CALL_MARKERS.get(tool_call_parser or "")
-                                 ) if info.get("store") else None
+                                 tool_call_mask=tool_call_mask) if info.get("store") else None
     offline_untrained = offline_acceptance(info, None, k, sampling=sampling) if info.get("store") else None
     return offline, offline_untrained
 

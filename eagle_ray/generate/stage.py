@@ -132,32 +132,33 @@ def rejected(sample_id: str, source: str | None, reason: str, message: str) -> d
     return _row(sample_id, source, status="rejected", reason=reason, message=message)
 
 
-def fit_session(tokenizer, recipe, messages: list[dict[str, Any]], tools, *, prompt: bool
-                ) -> tuple[list[dict[str, Any]], int]:
-    """`messages` cut to fit the training window (data.long_sessions=cut_history,
-    `data.chat.cut_history`) and the tokens dropped. A whole session (keep-logged, `prompt`
-    False) must fit data.max_seq_len; a prompt (regenerate) must leave room to generate a
-    quarter of the window (or generate.max_tokens if less). The last unit before the end
-    (what the final turn answers) is always kept."""
+def fit_session(tokenizer, recipe, messages: list[dict[str, Any]], tools, n_tokens: int, *,
+                prompt: bool) -> tuple[list[dict[str, Any]], int]:
+    """`messages` (`n_tokens` long as rendered) cut to fit the training window
+    (data.long_sessions=cut_history, `data.chat.cut_history`) and the tokens dropped. A whole
+    session (keep-logged, `prompt` False) must fit data.max_seq_len; a prompt (regenerate)
+    must leave room to generate a quarter of the window (or generate.max_tokens if less). The
+    last unit before the end (what the final turn answers) is always kept."""
     from eagle_ray.data.chat import cut_history, history_units
 
-    if recipe.data.long_sessions != "cut_history":
-        return messages, 0
     window = recipe.data.max_seq_len
     budget = window - min(recipe.generate.max_tokens, max(1, window // 4)) if prompt else window
+    if recipe.data.long_sessions != "cut_history" or n_tokens <= budget:
+        return messages, 0
     final = len(messages) if prompt else len(messages) - 1
     _, units = history_units(messages, final)
     tail_from = units[-1][0] if units and units[-1][1] == final else final
+    # A cut is the head plus a suffix, so its length names it: each is rendered once.
+    counted = {len(messages): n_tokens}
 
     def count(msgs):
-        text = render(tokenizer, [msgs], [tools], add_generation_prompt=prompt)[0]
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(msgs) not in counted:
+            text = render(tokenizer, [msgs], [tools], add_generation_prompt=prompt)[0]
+            counted[len(msgs)] = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return counted[len(msgs)]
 
-    before = count(messages)
-    if before <= budget:
-        return messages, 0
     out, dropped = cut_history(count, messages, tail_from, budget)
-    return out, (before - count(out)) if dropped else 0
+    return out, (n_tokens - count(out)) if dropped else 0
 
 
 def _window(n_prompt: int, n_completion: int, max_seq_len: int,
@@ -182,7 +183,6 @@ class _Base:
         # warns on the console at its first long agent session.
         self.tokenizer.model_max_length = sys.maxsize
         self.tokenizer_lock = threading.Lock()
-        self._cut: dict[str, int] = {}  # sample id -> history tokens cut, until its row is made
 
     def _table(self, rows: list[dict[str, Any]]) -> pa.Table:
         return pa.Table.from_pylist(rows, schema=CONVERSATIONS_SCHEMA)
@@ -226,22 +226,25 @@ class Regenerate(_Base):
 
     def _prepare(self, batch: pa.Table):
         """(cols, rows rejected up front, [(row index, params, prompt ids, messages,
-        reasoning started in the prompt)] to run), over the batch's completion rows."""
+        reasoning started in the prompt, history tokens cut)] to run), over the batch's
+        completion rows."""
         g = self.recipe.generate
         batch = self._expand(batch)
         rows: dict[int, dict[str, Any]] = {}
-        todo: list[tuple[int, Any, list[int], list[dict], bool]] = []
+        todo: list[tuple[int, Any, list[int], list[dict], bool, int]] = []
         cols = {c: batch.column(c).to_pylist() for c in INPUT_COLUMNS}
         for i, (sid, src, messages_json) in enumerate(zip(cols["sample_id"], cols["source"],
                                                           cols["messages"])):
             messages = json.loads(messages_json)
             tools = load_tools(cols["tools"][i])
             with self.tokenizer_lock:  # batches run in threads; HF fast tokenizers are not re-entrant
-                messages, cut = fit_session(self.tokenizer, self.recipe, messages, tools, prompt=True)
                 text = render(self.tokenizer, [messages], [tools], add_generation_prompt=True)[0]
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if cut:
-                self._cut[sid] = cut
+                messages, cut = fit_session(self.tokenizer, self.recipe, messages, tools, len(ids),
+                                            prompt=True)
+                if cut:
+                    text = render(self.tokenizer, [messages], [tools], add_generation_prompt=True)[0]
+                    ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             # Training sees the first data.max_seq_len tokens of a sample (extraction cuts the
             # rest), so tokens generated past it would be paid for and thrown away.
             limit = min(self.max_model_len, self.recipe.data.max_seq_len)
@@ -249,14 +252,13 @@ class Regenerate(_Base):
             if room < 1:
                 what = ("the context limit" if limit == self.max_model_len
                         else "data.max_seq_len (the training window)")
-                self._cut.pop(sid, None)
                 rows[i] = rejected(sid, src, "prompt_too_long",
                                    f"prompt has {len(ids):,} tokens; {what} is {limit:,}, "
                                    "leaving no room to generate")
                 continue
             params = self._sampling(min(g.max_tokens, room), sid)
             started = text.rstrip().endswith(g.think_start)
-            todo.append((i, params, ids, messages, started))
+            todo.append((i, params, ids, messages, started, cut))
         return cols, rows, todo
 
     def _finish(self, cols, rows, todo, outputs) -> pa.Table:
@@ -267,7 +269,7 @@ class Regenerate(_Base):
 
     def _finish_rows(self, cols, rows, todo, outputs) -> pa.Table:
         g, max_seq_len = self.recipe.generate, self.recipe.data.max_seq_len
-        for (i, _, ids, messages, started), out in zip(todo, outputs):
+        for (i, _, ids, messages, started, cut), out in zip(todo, outputs):
             sid, src = cols["sample_id"][i], cols["source"][i]
             if isinstance(out, Exception):
                 rows[i] = rejected(sid, src, "engine_error", f"{type(out).__name__}: {out}"[:2000])
@@ -291,7 +293,7 @@ class Regenerate(_Base):
             if reasoning is not None:
                 turn["reasoning_content"] = reasoning
             rows[i] = _row(sid, src, status="ok", origin="regenerated", tools=cols["tools"][i],
-                           history_cut_tokens=self._cut.pop(sid, 0),
+                           history_cut_tokens=cut,
                            messages=json.dumps(messages + [turn], ensure_ascii=False),
                            completion_text=c.text, reasoning_content=reasoning, content=content,
                            tool_calls=json.dumps(calls, ensure_ascii=False) if calls else None,
@@ -488,9 +490,13 @@ class LoggedUDF(_Base):
             every_turn = self.recipe.data.train_turns == "all"
             tools = load_tools(tools_json)
             try:
-                messages, cut = fit_session(self.tokenizer, self.recipe, messages, tools, prompt=False)
                 t = tokenize_conversation(self.tokenizer, messages, sys.maxsize, tools,
                                           all_turns=every_turn)
+                messages, cut = fit_session(self.tokenizer, self.recipe, messages, tools,
+                                            t.num_tokens_untruncated, prompt=False)
+                if cut:
+                    t = tokenize_conversation(self.tokenizer, messages, sys.maxsize, tools,
+                                              all_turns=every_turn)
             except ValueError as e:
                 rows.append(rejected(sid, src, "template_error", str(e)))
                 continue

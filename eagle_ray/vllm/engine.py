@@ -113,8 +113,8 @@ def run_requests(llm, requests: list) -> list:
 # Measured: SmolLM2's CPU extractor at 2.7 GiB = this + 0.54 GiB of fp32 weights + 1 GiB
 # of KV cache (Ray Data's memory detector, README "Memory").
 REPLICA_BASE_BYTES = int(1.2 * (1 << 30))
-_DTYPE_BYTES = {"float32": 4, "float": 4, "F32": 4, "float16": 2, "half": 2, "F16": 2,
-                "bfloat16": 2, "BF16": 2, "F8_E4M3": 1, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
+# engine.dtype -> bytes per weight ("auto": the checkpoint's own, its bytes on disk).
+_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
 
 
 def checkpoint_weights(model_dir) -> tuple[int, int]:

@@ -429,7 +429,7 @@ def test_a_long_session_loses_its_oldest_turns_not_its_last(templates, target):
     w = 960
     recipe = load_recipe("tiny_cpu", [f"data.max_seq_len={w}", "engine.max_model_len=2048"])
     assert full > w
-    cut, dropped = fit_session(tok, recipe, msgs, tools, prompt=False)
+    cut, dropped = fit_session(tok, recipe, msgs, tools, full, prompt=False)
     assert 0 < dropped == full - n(cut) and n(cut) <= w
     assert cut[0] == msgs[0] and cut[0]["role"] == "system" and cut[1] == msgs[1]
     assert cut[-1] == msgs[-1] and cut[-2] == msgs[-2]  # the answer and what it answers
@@ -448,10 +448,10 @@ def test_a_long_session_loses_its_oldest_turns_not_its_last(templates, target):
     d = [u[0] for u in units].index(first_kept)
     assert head == 2 and d > 0 and n(msgs[:head] + msgs[units[d - 1][0]:]) > w
     # A prompt (regenerate) keeps room to generate: generate.max_tokens (128, < w / 4).
-    p_cut, p_dropped = fit_session(tok, recipe, prompt, tools, prompt=True)
+    p_cut, p_dropped = fit_session(tok, recipe, prompt, tools, n(prompt, gen=True), prompt=True)
     assert p_dropped > 0 and n(p_cut, gen=True) <= w - 128 and p_cut[-1] == prompt[-1]
     old = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, long_sessions="truncate_end"))
-    assert fit_session(tok, old, msgs, tools, prompt=False) == (msgs, 0)
+    assert fit_session(tok, old, msgs, tools, full, prompt=False) == (msgs, 0)
 
 
 @pytest.mark.parametrize("target,parser,text,call_id", [
