@@ -174,14 +174,11 @@ def cmd_stats(args) -> int:
     arg("--json", action="store_true"),
 ])
 def cmd_plan(args) -> int:
-    from eagle_ray.plan.budget import format_plan, plan_from_recipe, plan_from_stats
+    from eagle_ray.plan.budget import format_plan, plan_for_table, plan_from_recipe
 
     recipe = _recipe(args)
     if args.stats:
-        from eagle_ray.data.stats import compute_stats, token_lengths
-
-        plan = plan_from_stats(recipe, compute_stats(args.stats), token_lengths(args.stats).to_numpy(),
-                               out_dir=args.out)
+        _, plan = plan_for_table(recipe, args.stats, out_dir=args.out)
     else:
         plan = plan_from_recipe(recipe, out_dir=args.out)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))

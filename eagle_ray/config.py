@@ -99,10 +99,13 @@ class DataConfig:
     "truncate_end" keeps the first max_seq_len tokens, which loses the final turn of a long
     session (measured on examples/data/agentic.jsonl at 512: README, Agent sessions)."""
     train_turns: str = "last"
-    """Which assistant turns of a session are in the loss: "last" (the final one, the turn
-    generation regenerates) or "all" (every assistant turn, as the template renders it in
-    the history: text, calls; generate.mode=keep_logged only, for logs that came from the
-    served target itself: one sample per session)."""
+    """Which assistant turns of a session are learned from: "last" (the final one, the turn
+    generation regenerates) or "all". With generate.mode=keep_logged (logs that came from
+    the served target itself), "all" is one sample per session with every assistant turn in
+    the loss, as the template renders it in the history (text, calls). With regenerate, it
+    is one sample per logged assistant turn (and one for the end of the session), each
+    regenerated from the logged history before it: the stored tokens grow with the turn
+    count, and the plan counts them (ingest's `turn_tokens`)."""
     num_samples: int | None = None
     """Planned sample count (None: take it from stats of the ingested data)."""
     avg_tokens_per_sample: float | None = None
@@ -514,11 +517,6 @@ class Recipe:
     curve: CurveConfig = field(default_factory=CurveConfig)
 
     def __post_init__(self) -> None:
-        if self.data.train_turns == "all" and self.generate.mode != "keep_logged":
-            raise ValueError(
-                "data.train_turns=all trains on the logged assistant turns, so it needs "
-                f"generate.mode=keep_logged (this recipe has {self.generate.mode!r}); "
-                "regenerating every turn of a session is not built yet")
         if self.generate.gpus_per_replica not in (0, self.target.tensor_parallel_size):
             raise ValueError(
                 f"generate.gpus_per_replica={self.generate.gpus_per_replica} must be 0 (CPU) or "

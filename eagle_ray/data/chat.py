@@ -82,6 +82,15 @@ _PROBE = [
 ]
 
 
+def assistant_turns(messages: Sequence[dict[str, Any]]) -> list[int]:
+    """Where each logged assistant turn of a session starts: the index of an assistant message
+    that follows a non-assistant one (a user message or tool results), so `messages[:i]` is
+    the history that turn answered. Regenerating every turn (data.train_turns=all) draws one
+    sample per start, plus one for the end of the session (the turn the log leaves open)."""
+    return [i for i, m in enumerate(messages)
+            if m.get("role") == "assistant" and i > 0 and messages[i - 1].get("role") != "assistant"]
+
+
 def history_units(messages: Sequence[dict[str, Any]], tail_from: int) -> tuple[int, list[tuple[int, int]]]:
     """(head, units): messages[:head] are always kept (leading system messages and the first
     user message); `units` are the [start, end) runs of messages[head:tail_from] that can be

@@ -74,9 +74,21 @@ def compute_stats(path: str | Path) -> dict[str, Any]:
     return result
 
 
-def token_lengths(path: str | Path) -> pl.Series:
-    """The num_tokens column (the planner uses it to price shorter max_seq_len)."""
-    return pl.read_parquet(find_table(path), columns=["num_tokens"])["num_tokens"]
+TURNS = "turn_tokens"
+
+
+def token_lengths(path: str | Path, *, per_turn: bool = False) -> pl.Series:
+    """The num_tokens column (the planner uses it to price shorter max_seq_len); `per_turn`:
+    one length per sample that regenerating every assistant turn draws (prompts.parquet's
+    `turn_tokens`, written by ingest with data.train_turns=all and mode regenerate)."""
+    table = find_table(path)
+    if not per_turn:
+        return pl.read_parquet(table, columns=["num_tokens"])["num_tokens"]
+    if TURNS not in pl.scan_parquet(table).collect_schema().names():
+        raise ValueError(f"{table} has no per-turn token counts ({TURNS}): it was ingested for "
+                         "the final turn only; data.train_turns=all regenerates every turn, so "
+                         "ingest again with it (the plan counts one sample per turn)")
+    return pl.read_parquet(table, columns=[TURNS])[TURNS].explode().drop_nulls()
 
 
 def format_stats(stats: dict[str, Any]) -> str:

@@ -229,6 +229,36 @@ def length_columns(tokenizer, messages_col: Sequence[str], reference_col: Sequen
     return out
 
 
+def turn_lengths(tokenizer, messages_col: Sequence[str], reference_col: Sequence[str | None],
+                 max_seq_len: int, tools_col: Sequence[str | None]) -> list[list[int]]:
+    """Per prompts.parquet row, the training-window length of each sample that regenerating
+    every assistant turn draws from it (data.train_turns=all, `data.chat.assistant_turns`):
+    the logged session's tokens through each assistant turn, capped at max_seq_len, the
+    logged turn standing in for the one generation will draw. A row without a logged final
+    turn counts its prompt for it (as `length_columns` does)."""
+    from eagle_ray.data.chat import assistant_turns, load_tools, render
+
+    out = []
+    for m, ref, tools_json in zip(messages_col, reference_col, tools_col):
+        session = json.loads(m) + ([json.loads(ref)] if ref is not None else [])
+        tools = load_tools(tools_json)
+        turns = assistant_turns(session)
+        try:
+            full, spans = assistant_spans(tokenizer, session, tools)
+            starts = np.asarray(_offsets(tokenizer, [full])[0], np.int64).reshape(-1, 2)[:, 0]
+            ends = dict(zip([j for j, x in enumerate(session) if x.get("role") == "assistant"],
+                            (e for _, e in spans)))
+            lengths = [int(np.count_nonzero(starts < ends[i])) for i in turns]
+            total = len(starts)
+        except ValueError:  # a template that renders history differently later: each cut alone
+            texts = render(tokenizer, [session[:i + 1] for i in turns] + [session], [tools] * (len(turns) + 1))
+            *lengths, total = map(len, _offsets(tokenizer, texts))
+        if ref is None:
+            lengths.append(total)
+        out.append([min(n, max_seq_len) for n in lengths])
+    return out
+
+
 def load_tokenizer(target):
     """The target's tokenizer (with its chat template); builds the tiny target on first use."""
     from transformers import AutoTokenizer
@@ -246,6 +276,7 @@ def load_tokenizer(target):
 
 LENGTH_TYPES = {"prompt_tokens": "int32", "num_tokens": "int32", "num_loss_tokens": "int32",
                 "truncated": "bool_"}
+TURNS_COLUMN = "turn_tokens"  # per row, list<int32>: `turn_lengths` (regenerating every turn)
 PARALLEL_CHUNK = 8192  # rows per Ray Data batch when counting on the cluster
 MIN_CLUSTER_CPUS = 4  # fewer: count in this process
 
@@ -322,6 +353,7 @@ def length_annotator(recipe, *, workers: int | None = None):
     import pyarrow as pa
 
     tokenizer = load_tokenizer(recipe.target)
+    every_turn = recipe.generate.mode == "regenerate" and recipe.data.train_turns == "all"
 
     def annotate(table: pa.Table) -> pa.Table:
         if table.column("tools").null_count < table.num_rows:
@@ -338,6 +370,10 @@ def length_annotator(recipe, *, workers: int | None = None):
                 tools_col=table.column("tools").to_pylist()).items()}
         for name, values in cols.items():
             table = table.append_column(name, values)
+        if every_turn:  # the planner counts one sample per turn (plan_from_stats)
+            table = table.append_column(TURNS_COLUMN, pa.array(turn_lengths(
+                tokenizer, table.column("messages").to_pylist(), table.column("reference").to_pylist(),
+                recipe.data.max_seq_len, table.column("tools").to_pylist()), pa.list_(pa.int32())))
         return table
 
     return annotate

@@ -110,6 +110,9 @@ def generation_params(recipe: Recipe, model_dir: Path) -> dict:
         "engine": {"dtype": recipe.engine.dtype, "max_model_len": recipe.engine.max_model_len,
                    "tensor_parallel_size": recipe.target.tensor_parallel_size},
         "max_seq_len": recipe.data.max_seq_len,
+        # Every logged assistant turn regenerated (samples `<prompt>#<t * N + j>`); absent for
+        # the final turn only, so earlier runs' parameters still match
+        **({"train_turns": "all"} if g.mode == "regenerate" and recipe.data.train_turns == "all" else {}),
     }
 
 
@@ -346,14 +349,15 @@ def _ranks_by_search(ids: pa.Array, prompts: Path, limit: int | None):
     return pos, base, repeats
 
 
-def _ranks_by_lookup(ids: pa.Array, prompts: Path, limit: int | None, n: int):
-    """The general path (any ids, several completions per prompt): Arrow's index_in over
-    the whole prompt-id column. Returns (positions, number of prompts, repeats)."""
+def _ranks_by_lookup(ids: pa.Array, prompts: Path, limit: int | None):
+    """The general path (any ids, any number of samples per prompt): Arrow's index_in of
+    each id's prompt over the whole prompt-id column. Returns (positions, number of
+    prompts, repeats)."""
     from eagle_ray.generate.prompts import iter_id_chunks, prompt_ids
 
     repeats = len(ids) - (pc.count_distinct(ids).as_py() if len(ids) else 0) > 0
     order = pa.chunked_array(list(iter_id_chunks(prompts, limit)), pa.string()).combine_chunks()
-    pos = pc.index_in(ids if n == 1 else prompt_ids(ids), value_set=order)
+    pos = pc.index_in(prompt_ids(ids), value_set=order)
     return pos.fill_null(-1).to_numpy(zero_copy_only=False).astype("int64"), len(order), repeats
 
 
@@ -378,8 +382,11 @@ def consolidate(out: Path, prompts: Path, params: dict, limit: int | None = None
                             for _, t in read]) if read else np.zeros(0, bool)
     del read
     n = params["sampling"]["samples_per_prompt"] if params.get("sampling") else 1
-    found = _ranks_by_search(ids, prompts, limit) if n == 1 else None
-    pos, n_prompts, repeats = found or _ranks_by_lookup(ids, prompts, limit, n)
+    # One sample per prompt, or several (N completions; with data.train_turns=all, N for
+    # each turn of the session: as many as its log has)
+    single = n == 1 and params.get("train_turns") != "all"
+    found = _ranks_by_search(ids, prompts, limit) if single else None
+    pos, n_prompts, repeats = found or _ranks_by_lookup(ids, prompts, limit)
     if repeats:  # cannot happen by construction; never ship duplicates
         n_dup = len(ids) - pc.count_distinct(ids).as_py()
         raise AssertionError(f"{n_dup} duplicate sample ids across parts in {out}")
@@ -387,13 +394,17 @@ def consolidate(out: Path, prompts: Path, params: dict, limit: int | None = None
     if len(missing):
         raise ValueError(f"{out} holds {len(missing)} samples that are not in these prompts "
                          f"(e.g. {ids[int(missing[0])].as_py()}); it belongs to another prompt set")
-    # prompt order, then completion index (ids "<prompt>#<j>")
-    rank = pos if n == 1 else pos * n + completion_indices(ids).to_numpy()
+    # prompt order, then the number after "#" (ids "<prompt>#<j>", "<prompt>#<t * N + j>")
+    if single:
+        rank, done_prompts = pos, len(pos)
+    else:
+        k = completion_indices(ids).to_numpy()
+        rank = pos * (int(k.max()) + 1 if len(k) else 1) + k
+        done_prompts = len(np.unique(pos))
     del ids, pos
     order = np.argsort(rank, kind="stable")
     del rank
     ok_order, rej_order = order[is_ok[order]], order[~is_ok[order]]
-    n_done = len(order)
     del order
 
     tokens, reasons = 0, {}
@@ -412,8 +423,11 @@ def consolidate(out: Path, prompts: Path, params: dict, limit: int | None = None
                               "reason": r["reason"], "message": r["message"]}, ensure_ascii=False)
                   for r in chunk.to_pylist()]
     atomic_write_bytes(out / REJECTS_FILE, "".join(l + "\n" for l in lines).encode())
+    # pending: samples still to draw (with every turn regenerated a prompt's count is its
+    # turns', known once drawn: then prompts still to run, `pending_prompts`)
     counts = {"prompts": n_prompts, "samples_per_prompt": n, "ok": len(ok_order),
-              "rejected": len(rej_order), "pending": n_prompts * n - n_done}
+              "rejected": len(rej_order), "pending_prompts": n_prompts - done_prompts,
+              "pending": (n_prompts - done_prompts) * n if params.get("train_turns") != "all" else None}
     import vllm  # version of the engine that produced the outputs
 
     manifest = {"schema_version": SCHEMA_VERSION, "stage": "generate", **params,

@@ -210,19 +210,39 @@ class Regenerate(_Base):
             skip_special_tokens=False)
 
     def _expand(self, batch: pa.Table) -> pa.Table:
-        """Prompt rows -> one row per completion to draw (generate.samples_per_prompt), ids
-        `<prompt id>#<j>`; the N rows of a prompt stay together in this batch."""
-        from eagle_ray.data.ids import completion_id
+        """Prompt rows -> one row per completion to draw, the rows of a prompt together in
+        this batch: N = generate.samples_per_prompt completions, ids `<prompt id>#<j>`; with
+        data.train_turns=all, N for every logged assistant turn of the session too
+        (`data.chat.assistant_turns`: the row's `messages` cut to the history that turn
+        answered) and N for the end of the session, ids `<prompt id>#<t * N + j>`
+        (`data.ids.turn_completion_id`): each turn is regenerated from the logged history
+        before it, as the served target would have answered there."""
+        from eagle_ray.data.chat import assistant_turns
+        from eagle_ray.data.ids import completion_id, turn_completion_id
 
         n = self.recipe.generate.samples_per_prompt
-        if n == 1:
+        every_turn = self.recipe.data.train_turns == "all"
+        if n == 1 and not every_turn:
             return batch
-        idx = pa.array([i for i in range(batch.num_rows) for _ in range(n)], pa.int64())
-        out = batch.take(idx)
-        ids = [completion_id(pid, j, n) for pid in batch.column("sample_id").to_pylist()
-               for j in range(n)]
-        return out.set_column(out.schema.get_field_index("sample_id"), "sample_id",
-                              pa.array(ids, pa.string()))
+        take, ids, msgs = [], [], []
+        for i, (pid, m) in enumerate(zip(batch.column("sample_id").to_pylist(),
+                                         batch.column("messages").to_pylist())):
+            if every_turn:
+                session = json.loads(m)
+                ends = assistant_turns(session) + [len(session)]
+                turns = [(t, m if end == len(session) else json.dumps(session[:end], ensure_ascii=False))
+                         for t, end in enumerate(ends)]
+            else:
+                turns = [(0, m)]
+            for t, prefix in turns:
+                for j in range(n):
+                    take.append(i)
+                    ids.append(turn_completion_id(pid, t, j, n) if every_turn else completion_id(pid, j, n))
+                    msgs.append(prefix)
+        out = batch.take(pa.array(take, pa.int64()))
+        for name, values in (("sample_id", ids), ("messages", msgs)):
+            out = out.set_column(out.schema.get_field_index(name), name, pa.array(values, pa.string()))
+        return out
 
     def _prepare(self, batch: pa.Table):
         """(cols, rows rejected up front, [(row index, params, prompt ids, messages,
@@ -237,6 +257,10 @@ class Regenerate(_Base):
                                                           cols["messages"])):
             messages = json.loads(messages_json)
             tools = load_tools(cols["tools"][i])
+            if not any(m.get("role") == "user" for m in messages):  # a turn before any user's
+                rows[i] = rejected(sid, src, "no_user_message",
+                                   "the history this assistant turn answers has no user message")
+                continue
             with self.tokenizer_lock:  # batches run in threads; HF fast tokenizers are not re-entrant
                 text = render(self.tokenizer, [messages], [tools], add_generation_prompt=True)[0]
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -303,7 +327,7 @@ class Regenerate(_Base):
                            **_window(len(ids), len(completion), max_seq_len))
         out = [rows[i] for i in range(len(cols["sample_id"]))]
         if self.recipe.generate.samples_per_prompt > 1:
-            _drop_duplicate_completions(out)
+            _drop_duplicate_completions(out, self.recipe.generate.samples_per_prompt)
         return self._table(out)
 
 
@@ -321,17 +345,19 @@ def _engine_death(cause_file: str) -> str:
             + "; nothing of the batches in flight was written, a re-run regenerates them")
 
 
-def _drop_duplicate_completions(rows: list[dict[str, Any]]) -> None:
-    """A completion equal to an earlier one of the same prompt (token for token) is kept once:
-    the later ones become rejects (duplicate_completion), so they are counted, not trained
-    on twice. All completions of a prompt are in one batch, so this is exact."""
-    from eagle_ray.data.ids import prompt_id
+def _drop_duplicate_completions(rows: list[dict[str, Any]], n: int) -> None:
+    """A completion equal to an earlier one of the same prompt and turn (token for token; N =
+    `n` completions a turn) is kept once: the later ones become rejects
+    (duplicate_completion), so they are counted, not trained on twice. All completions of a
+    prompt are in one batch, so this is exact."""
+    from eagle_ray.data.ids import prompt_id, turn_index
 
     seen: dict[tuple, str] = {}
     for r in rows:
         if r["status"] != "ok":
             continue
-        key = (prompt_id(r["sample_id"]), tuple(r["completion_token_ids"]))
+        sid = r["sample_id"]
+        key = (prompt_id(sid), turn_index(sid, n), tuple(r["completion_token_ids"]))
         if key in seen:
             r.update(rejected(r["sample_id"], r["source"], "duplicate_completion",
                               f"the same completion as {seen[key]} of the same prompt"))

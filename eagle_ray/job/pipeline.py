@@ -137,12 +137,10 @@ def _ingest_problems(job: Job) -> list[str]:
 
 
 def _plan_run(job: Job) -> bool:
-    from eagle_ray.data.stats import compute_stats, token_lengths
-    from eagle_ray.plan.budget import plan_from_stats
+    from eagle_ray.plan.budget import plan_for_table
 
-    job.found["stats"] = stats = compute_stats(job.path("ingest"))
-    job.found["plan"] = plan_from_stats(job.recipe, stats, token_lengths(job.path("ingest")).to_numpy(),
-                                        out_dir=job.path("store"))
+    job.found["stats"], job.found["plan"] = plan_for_table(job.recipe, job.path("ingest"),
+                                                           out_dir=job.path("store"))
     return False  # seconds, every time; nothing downstream depends on it having run
 
 

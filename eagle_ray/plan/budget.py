@@ -99,6 +99,8 @@ class Plan:
     tokens_per_param: float
     paper_scale_fraction: float
     alternatives: list[dict[str, Any]] = field(default_factory=list)
+    turns_of: int | None = None
+    """Regenerating every assistant turn: the sessions the samples are the turns of."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -193,6 +195,9 @@ def format_plan(plan: Plan) -> str:
         f"storage dtype           {p.dtype}",
         f"hidden bytes / token    {p.hidden_bytes_per_token:,}   (+{TOKEN_META_BYTES} for ids and "
         f"mask = {p.store_bytes_per_token:,})",
+        *([f"sessions                {p.turns_of:,}   every assistant turn regenerated "
+           f"(data.train_turns=all): {p.num_samples / max(1, p.turns_of):,.1f} samples each"]
+          if p.turns_of else []),
         f"samples                 {p.num_samples:,}   x {p.avg_tokens:,.1f} tokens avg "
         f"(max_seq_len {p.max_seq_len:,}) = {p.total_tokens:,} tokens",
         f"store size              {_gb(p.total_bytes)}",
@@ -215,9 +220,30 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def every_turn_regenerated(recipe: Recipe) -> bool:
+    """Generation draws one sample per logged assistant turn (data.train_turns=all)."""
+    return recipe.generate.mode == "regenerate" and recipe.data.train_turns == "all"
+
+
 def plan_from_stats(recipe: Recipe, stats: dict[str, Any], lengths: Sequence[int] | None = None,
                     out_dir: str | Path | None = None) -> Plan:
+    """The plan for an ingested or generated table's samples. Regenerating every turn of a
+    prompts.parquet, `lengths` are its per-turn sample lengths (`token_lengths(per_turn=True)`):
+    samples and tokens grow with the turns, and the plan says so (`turns_of`)."""
     o = stats["overall"]
+    if every_turn_regenerated(recipe) and str(stats["table"]).endswith("prompts.parquet"):
+        if lengths is None:
+            raise ValueError("data.train_turns=all regenerates every turn: the plan needs the "
+                             "per-turn lengths (data.stats.token_lengths(per_turn=True))")
+        per = recipe.generate.samples_per_prompt
+        lengths = [x for x in lengths for _ in range(per)]
+        if not lengths:
+            raise ValueError(f"stats of {stats['table']} show no turns; nothing to plan")
+        plan = make_plan(recipe, num_samples=int(recipe.data.num_samples or len(lengths)),
+                         avg_tokens=float(recipe.data.avg_tokens_per_sample or np.mean(lengths)),
+                         lengths=lengths if not recipe.data.num_samples else None, out_dir=out_dir)
+        plan.turns_of = int(o["samples"])
+        return plan
     # An ingest table holds prompts: generation draws samples_per_prompt samples from each.
     per = (recipe.generate.samples_per_prompt
            if str(stats["table"]).endswith("prompts.parquet") else 1)
@@ -232,6 +258,18 @@ def plan_from_stats(recipe: Recipe, stats: dict[str, Any], lengths: Sequence[int
                      lengths=lengths if n == o["samples"] * per else None, out_dir=out_dir)
 
 
+def plan_for_table(recipe: Recipe, path: str | Path, out_dir: str | Path | None = None
+                   ) -> tuple[dict[str, Any], Plan]:
+    """(stats, plan) of a sample table or stage directory (`eagle-ray plan --stats`, the
+    job's plan step): per-turn lengths where every turn of the prompts is regenerated."""
+    from eagle_ray.data.stats import compute_stats, token_lengths
+
+    stats = compute_stats(path)
+    per_turn = every_turn_regenerated(recipe) and str(stats["table"]).endswith("prompts.parquet")
+    lengths = token_lengths(path, per_turn=per_turn).to_numpy()
+    return stats, plan_from_stats(recipe, stats, lengths, out_dir=out_dir)
+
+
 def plan_from_recipe(recipe: Recipe, out_dir: str | Path | None = None) -> Plan:
     d = recipe.data
     if d.num_samples is None or d.avg_tokens_per_sample is None:
@@ -243,5 +281,5 @@ def plan_from_recipe(recipe: Recipe, out_dir: str | Path | None = None) -> Plan:
 
 
 __all__ = ["BudgetError", "Plan", "check_budget", "drafter_trainable_params", "format_plan",
-           "free_bytes", "hidden_bytes_per_token", "make_plan", "plan_from_recipe",
+           "free_bytes", "hidden_bytes_per_token", "make_plan", "plan_for_table", "plan_from_recipe",
            "plan_from_stats", "store_bytes_per_token"]

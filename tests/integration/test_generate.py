@@ -233,3 +233,58 @@ def test_an_engine_death_ends_the_run_in_one_line_naming_its_cause(prompts_dir, 
     # the error line and are left to the replica's log (quieting them is the logs issue's).
     own = [l for l in p.stderr.splitlines() if not re.match(r"^(\x1b\[[0-9;]*m)?\(", l)]
     assert not [l for l in own if "Traceback" in l], own[-40:]
+
+
+def test_every_turn_of_a_session_regenerated_from_its_logged_history(ray_cluster, tmp_path, tiny_tokenizer):
+    """data.train_turns=all with regeneration, real vLLM: each logged assistant turn of an agent
+    session is drawn again from the history before it (rendered with the session's tools,
+    token for token), plus the end of the session; nothing lost (every turn a sample or a
+    reject), the plan counted exactly these samples before anything ran, and the table is in
+    prompt, then turn order."""
+    from pathlib import Path
+
+    from eagle_ray.data.chat import assistant_turns, load_tools, render
+    from eagle_ray.data.ids import prompt_id, turn_index
+    from eagle_ray.data.tokenize import length_annotator
+    from eagle_ray.generate.run import run_generate
+    from eagle_ray.plan.budget import plan_for_table
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "data" / "agentic.jsonl"
+    recipe = load_recipe("tiny_cpu", ["data.train_turns=all", "data.max_seq_len=1000",
+                                      "generate.max_tokens=24", "generate.min_replicas=1",
+                                      "generate.max_replicas=1", "engine.num_cpus_per_replica=1"])
+    res = ingest([SourceSpec(path=str(example))], tmp_path / "prompts", annotate=length_annotator(recipe))
+    prompts = pq.read_table(res.out_dir / "prompts.parquet").slice(0, 4).to_pylist()
+    _, plan = plan_for_table(recipe, res.out_dir, out_dir=tmp_path)
+    out = tmp_path / "gen"
+    run_generate(recipe, res.out_dir, out, limit=4)
+    conv = pq.read_table(out / "conversations.parquet").to_pylist()
+    rejects = [json.loads(l) for l in (out / "rejects.jsonl").read_text().splitlines()]
+    turns = {p["sample_id"]: assistant_turns(json.loads(p["messages"])) + [len(json.loads(p["messages"]))]
+             for p in prompts}
+    assert sum(len(t) for t in turns.values()) == sum(len(p["turn_tokens"]) for p in prompts) > 4
+    assert len(conv) + len(rejects) == sum(len(t) for t in turns.values()) and len(conv) > len(rejects)
+    all_turns = pq.read_table(res.out_dir / "prompts.parquet").column("turn_tokens").to_pylist()
+    assert plan.num_samples == sum(map(len, all_turns)) and plan.turns_of == len(all_turns)
+    order = [(prompt_id(r["sample_id"]), turn_index(r["sample_id"], 1)) for r in conv]
+    assert order == sorted(order, key=lambda o: ([p["sample_id"] for p in prompts].index(o[0]), o[1]))
+    by_id = {p["sample_id"]: p for p in prompts}
+    cut = 0
+    for r in conv:
+        p = by_id[prompt_id(r["sample_id"])]
+        session, t = json.loads(p["messages"]), turn_index(r["sample_id"], 1)
+        history, logged = json.loads(r["messages"])[:-1], session[:turns[p["sample_id"]][t]]
+        text = render(tiny_tokenizer, [history], [load_tools(p["tools"])], add_generation_prompt=True)[0]
+        assert r["prompt_token_ids"] == tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+        if r["history_cut_tokens"]:  # too long for the window: whole units of history dropped
+            cut += 1
+            head = 2 if logged[0]["role"] == "system" else 1
+            assert history[:head] == logged[:head] and history[-1] == logged[-1]
+            assert len(history) < len(logged) and len(r["prompt_token_ids"]) <= 1000 - 24
+            assert all(m in logged for m in history)
+        else:
+            assert history == logged
+        assert r["origin"] == "regenerated" and r["num_completion_tokens"] > 0
+    assert cut < len(conv)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["train_turns"] == "all" and manifest["counts"]["pending_prompts"] == 0

@@ -319,12 +319,11 @@ def test_train_turns_all_masks_exactly_every_assistant_turn(templates, target):
     assert (last.input_ids == t.input_ids).all()
 
 
-def test_train_turns_all_needs_keep_logged():
+def test_train_turns_all_with_either_mode():
     from eagle_ray.recipes import load_recipe
 
     assert load_recipe("tiny_cpu", ["data.train_turns=all", "generate.mode=keep_logged"]).data.train_turns == "all"
-    with pytest.raises(ValueError, match="train_turns=all .* needs generate.mode=keep_logged"):
-        load_recipe("tiny_cpu", ["data.train_turns=all"])
+    assert load_recipe("tiny_cpu", ["data.train_turns=all"]).generate.mode == "regenerate"
     with pytest.raises(ValueError, match="choose last or all"):
         load_recipe("tiny_cpu", ["data.train_turns=some"])
 
@@ -476,3 +475,53 @@ def test_generated_calls_are_parsed_back_with_the_targets_vllm_parser(templates,
     assert calls == [{"id": call_id, "type": "function",
                       "function": {"name": "find_animals", "arguments": '{"place": "lake"}'}}]
     assert parse_tool_calls(parser, tok, tools, "No call here.") == ("No call here.", None)
+
+
+def test_every_turn_regenerated_expands_a_session_into_its_logged_histories(tmp_path, tiny_tokenizer):
+    """data.train_turns=all with regeneration: one request per logged assistant turn, each
+    from the history that turn answered (ending in the user message or tool results before
+    it), plus the end of the session; ids `<prompt>#<t * N + j>`; and ingest's per-turn
+    lengths, which the plan counts, have one entry per request."""
+    import pyarrow as pa
+
+    from eagle_ray.data.chat import assistant_turns
+    from eagle_ray.data.ids import prompt_id, turn_index
+    from eagle_ray.data.tokenize import length_annotator
+    from eagle_ray.generate.stage import Regenerate
+    from eagle_ray.plan.budget import plan_for_table
+    from eagle_ray.recipes import load_recipe
+
+    recipe = load_recipe("tiny_cpu", ["data.train_turns=all", "generate.samples_per_prompt=2",
+                                      "data.max_seq_len=1000"])
+    res = _ingest(tmp_path, EXAMPLE, annotate=length_annotator(recipe))
+    table = pa.Table.from_pylist(_rows(res))
+    udf = Regenerate.__new__(Regenerate)
+    udf.recipe = recipe
+    out = udf._expand(table.select(["sample_id", "source", "messages", "reference", "tools"]))
+    by_prompt: dict[str, list] = {}
+    for r in out.to_pylist():
+        by_prompt.setdefault(prompt_id(r["sample_id"]), []).append(r)
+    for row in table.to_pylist():
+        session = json.loads(row["messages"])
+        starts = assistant_turns(session)
+        got = by_prompt[row["sample_id"]]
+        assert len(got) == 2 * (len(starts) + 1) == 2 * len(row["turn_tokens"])
+        assert [turn_index(r["sample_id"], 2) for r in got] == [t for t in range(len(starts) + 1) for _ in (0, 1)]
+        for t, end in enumerate(starts + [len(session)]):
+            for r in got[2 * t:2 * t + 2]:
+                assert json.loads(r["messages"]) == session[:end]
+                assert json.loads(r["messages"])[-1]["role"] in ("user", "tool", "function")
+                assert r["tools"] == row["tools"] and r["source"] == row["source"]
+        # the lengths grow turn by turn and end where the logged final turn ends
+        assert row["turn_tokens"] == sorted(row["turn_tokens"])
+        if not row["truncated"]:
+            assert row["turn_tokens"][-1] == row["prompt_tokens"] + row["num_loss_tokens"]
+    assert len(by_prompt) == table.num_rows
+    _, plan = plan_for_table(recipe, res.out_dir, out_dir=tmp_path)
+    assert plan.num_samples == out.num_rows and plan.turns_of == table.num_rows
+    assert plan.total_tokens == 2 * sum(sum(r["turn_tokens"]) for r in table.to_pylist())
+    # ingested for the final turn only: the plan for every turn refuses, naming the fix
+    res_last = ingest([SourceSpec(path=str(EXAMPLE))], tmp_path / "last",
+                      annotate=length_annotator(load_recipe("tiny_cpu", [])))
+    with pytest.raises(ValueError, match="ingest again"):
+        plan_for_table(recipe, res_last.out_dir, out_dir=tmp_path)

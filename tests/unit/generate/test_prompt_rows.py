@@ -77,7 +77,8 @@ def test_consolidate_from_compacted_parts_is_prompt_ordered_and_complete(tmp_pat
     import vllm  # noqa: F401  (consolidate records its version)
 
     counts = run.consolidate(out, prompts, params)
-    assert counts == {"prompts": 30, "samples_per_prompt": 2, "ok": 50, "rejected": 2, "pending": 8}
+    assert counts == {"prompts": 30, "samples_per_prompt": 2, "ok": 50, "rejected": 2, "pending": 8,
+                      "pending_prompts": 4}
     conv = pq.read_table(out / run.CONVERSATIONS_FILE)
     ids = conv.column("sample_id").to_pylist()
     want = [f"{i:064x}#{j}" for i in range(30) if not 16 <= i < 20 and i != 9 for j in range(2)]
@@ -141,20 +142,47 @@ def test_one_completion_per_prompt_orders_by_numpy_search_as_the_arrow_lookup_do
     ids = ids.combine_chunks()
     for limit in (None, 33):
         fast = run._ranks_by_search(ids, prompts, limit)
-        slow = run._ranks_by_lookup(ids, prompts, limit, 1)
+        slow = run._ranks_by_lookup(ids, prompts, limit)
         assert fast is not None
         assert np.array_equal(fast[0], slow[0]) and fast[1:] == slow[1:]
     assert (run._ranks_by_search(ids, prompts, 33)[0] < 0).sum() == 3  # prompts 33-35 beyond the limit
     # a repeated id is found by both; ids of several widths are left to the general path
     twice = pa.concat_arrays([ids, ids.slice(0, 1)])
-    assert run._ranks_by_search(twice, prompts, None)[2] and run._ranks_by_lookup(twice, prompts, None, 1)[2]
+    assert run._ranks_by_search(twice, prompts, None)[2] and run._ranks_by_lookup(twice, prompts, None)[2]
     assert run._ranks_by_search(pa.array(["ab", "abc"]), prompts, None) is None
 
     import vllm  # noqa: F401  (consolidate records its version)
 
     counts = run.consolidate(out, prompts, {"sampling": {"samples_per_prompt": 1}})
-    assert counts == {"prompts": 40, "samples_per_prompt": 1, "ok": 24, "rejected": 2, "pending": 14}
+    assert counts == {"prompts": 40, "samples_per_prompt": 1, "ok": 24, "rejected": 2, "pending": 14,
+                      "pending_prompts": 14}
     want = [f"{i:064x}" for i in list(range(20)) + list(range(30, 36)) if i not in (7, 31)]
     assert pq.read_table(out / run.CONVERSATIONS_FILE).column("sample_id").to_pylist() == want
     rejects = [json.loads(l)["sample_id"] for l in (out / run.REJECTS_FILE).read_text().splitlines()]
     assert rejects == [f"{7:064x}", f"{31:064x}"]
+
+
+def test_consolidate_orders_every_turn_of_a_session_whatever_its_count(tmp_path):
+    """data.train_turns=all regenerating: a session has as many samples as turns (here 1 to
+    12), ids `<prompt>#<k>`; the table is in prompt order, then k as a number (#10 after #9),
+    and a prompt with no part yet is pending."""
+    from eagle_ray.generate import run
+
+    prompts = tmp_path / "p.parquet"
+    _prompts(prompts, 10)
+    parts = tmp_path / "gen" / run.PARTS_DIR
+    parts.mkdir(parents=True)
+    turns = {i: 1 + (5 * i) % 12 for i in range(10)}
+    for i in (7, 2, 0, 9, 4, 1, 8, 3, 5):  # prompt 6 not done
+        rows = [{"sample_id": f"{i:064x}#{k}", "source": "mine", "status": "ok",
+                 "prompt_token_ids": [1], "completion_token_ids": [i, k], "num_completion_tokens": 2,
+                 "finish_reason": "stop"} for k in reversed(range(turns[i]))]
+        pq.write_table(pa.Table.from_pylist(rows, schema=CONVERSATIONS_SCHEMA), parts / f"part-{i}.parquet")
+    import vllm  # noqa: F401  (consolidate records its version)
+
+    counts = run.consolidate(tmp_path / "gen", prompts,
+                             {"sampling": {"samples_per_prompt": 1}, "train_turns": "all"})
+    want = [f"{i:064x}#{k}" for i in range(10) if i != 6 for k in range(turns[i])]
+    assert max(turns.values()) >= 11
+    assert pq.read_table(tmp_path / "gen" / run.CONVERSATIONS_FILE).column("sample_id").to_pylist() == want
+    assert counts["ok"] == len(want) and counts["pending_prompts"] == 1 and counts["pending"] is None

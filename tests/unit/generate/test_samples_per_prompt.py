@@ -1,7 +1,7 @@
 """Several completions per prompt: stable ids, one batch per prompt's completions, duplicates
 kept once, and every split by prompt."""
 
-from eagle_ray.data.ids import completion_id, prompt_id, sample_seed
+from eagle_ray.data.ids import completion_id, prompt_id, sample_seed, turn_completion_id, turn_index
 from eagle_ray.generate.stage import _drop_duplicate_completions, rejected
 from eagle_ray.train.data import split_ids
 
@@ -22,10 +22,24 @@ def test_identical_completions_of_a_prompt_are_kept_once():
 
     rows = [ok("p#0", [1, 2]), ok("p#1", [1, 2]), ok("p#2", [3]), ok("q#0", [1, 2]),
             rejected("p#3", "s", "prompt_too_long", "x")]
-    _drop_duplicate_completions(rows)
+    _drop_duplicate_completions(rows, 4)
     assert [r["status"] for r in rows] == ["ok", "rejected", "ok", "ok", "rejected"]
     assert rows[1]["reason"] == "duplicate_completion" and "p#0" in rows[1]["message"]
     assert rows[4]["reason"] == "prompt_too_long"
+
+
+def test_identical_completions_of_different_turns_are_both_kept():
+    """Every turn regenerated (ids `<p>#<t * N + j>`): the same tokens at two turns of one
+    session are two samples (two histories); within a turn, one."""
+    def ok(sid, toks):
+        return {"sample_id": sid, "source": "s", "status": "ok", "completion_token_ids": toks}
+
+    ids = [turn_completion_id("p", t, j, 2) for t in range(2) for j in range(2)]
+    assert ids == ["p#0", "p#1", "p#2", "p#3"]
+    assert [turn_index(i, 2) for i in ids] == [0, 0, 1, 1] and {prompt_id(i) for i in ids} == {"p"}
+    rows = [ok(i, [7]) for i in ids]
+    _drop_duplicate_completions(rows, 2)
+    assert [r["status"] for r in rows] == ["ok", "rejected", "ok", "rejected"]
 
 
 def test_split_is_by_prompt():
