@@ -68,6 +68,21 @@ def prompts_file(prompts: str | Path) -> Path:
     return stage_file(prompts, "prompts.parquet", INPUT_COLUMNS, "ingest")
 
 
+def expected_samples(recipe: Recipe, file: Path) -> int:
+    """The samples generation draws from a prompts file: N = generate.samples_per_prompt a
+    prompt, or N a logged turn when every turn is regenerated (ingest's `turn_tokens`, which
+    the plan counted; the prompt count where the file has none)."""
+    from eagle_ray.data.stats import TURNS
+    from eagle_ray.plan.budget import every_turn_regenerated
+
+    n = recipe.generate.samples_per_prompt if recipe.generate.mode == "regenerate" else 1
+    f = pq.ParquetFile(file)
+    if every_turn_regenerated(recipe) and TURNS in f.schema_arrow.names:
+        turns = f.read(columns=[TURNS]).column(0)
+        return n * int(pc.sum(pc.list_value_length(turns)).as_py() or 0)
+    return n * f.metadata.num_rows
+
+
 def check_prompts_render(recipe: Recipe, file: Path) -> None:
     """Refuse, before an engine starts, prompts with tools for a target whose chat template
     cannot render them (data/chat.py); reads the tools column only."""
@@ -225,7 +240,7 @@ def check_generation_params(out: Path, params: dict) -> None:
 def run_generate(recipe: Recipe, prompts: str | Path, out_dir: str | Path, *,
                  limit: int | None = None) -> GenerateResult:
     """Generate conversations for every prompt not yet done in out_dir, then consolidate."""
-    from eagle_ray.generate.prompts import count_not_in, num_rows
+    from eagle_ray.generate.prompts import count_not_in, num_rows, prompt_ids
 
     t0 = time.time()
     out = Path(out_dir)
@@ -275,7 +290,9 @@ def run_generate(recipe: Recipe, prompts: str | Path, out_dir: str | Path, *,
             n_rej += batch.num_rows - (pc.sum(ok).as_py() or 0)
             tok = pc.sum(batch.column("num_completion_tokens")).as_py() or 0
             n_tok += tok
-            prog.update(batch.num_rows, tokens=tok, extra=f"{n_rej:,} rejected")
+            # prompts done: a batch holds every sample of its prompts (N each, or N a turn)
+            prog.update(len(pc.unique(prompt_ids(batch.column("sample_id")))), tokens=tok,
+                        extra=f"{n_rej:,} rejected")
         prog.close()
     logger.info("generate: this run generated %d, rejected %d, %d completion tokens in %.1fs",
                 n_ok, n_rej, n_tok, time.time() - t0)

@@ -109,9 +109,9 @@ def _stream(recipe: Recipe, prompts: Path, parts_dir: Path, store: Path, model_d
     """(prompts generated, samples extracted, tokens extracted, samples committed before)."""
     from eagle_ray.extract.stage import CAPTURE_COLUMNS
     from eagle_ray.generate.prompts import ParquetRows
-    from eagle_ray.generate.run import compact_parts, done_prompts
+    from eagle_ray.generate.run import compact_parts, done_prompts, expected_samples
 
-    generated, committed, skip, parts, n_todo, n_left, total = _resume_state(prompts, parts_dir, store)
+    generated, committed, skip, parts, n_todo, n_left, _ = _resume_state(prompts, parts_dir, store)
     if n_todo == 0 and n_left == 0:
         return 0, 0, 0, len(committed)
     colocated = recipe.extract.placement == "colocated"
@@ -135,7 +135,9 @@ def _stream(recipe: Recipe, prompts: Path, parts_dir: Path, store: Path, model_d
                               leftover, n_todo, n_left)
     from eagle_ray.extract.run import drain_committed
 
-    n_ext, n_tok = drain_committed(recipe, ds, manifest, "generate+extract", total, len(committed), logger)
+    # The progress counts committed samples: N a prompt, or N a turn (data.train_turns=all).
+    n_ext, n_tok = drain_committed(recipe, ds, manifest, "generate+extract",
+                                   expected_samples(recipe, prompts), len(committed), logger)
     compact_parts(parts_dir, blocking=False)
     n_gen = len(done_prompts(parts_dir)) - len(generated)
     return n_gen, n_ext, n_tok, len(committed)

@@ -519,6 +519,9 @@ def test_every_turn_regenerated_expands_a_session_into_its_logged_histories(tmp_
     assert len(by_prompt) == table.num_rows
     _, plan = plan_for_table(recipe, res.out_dir, out_dir=tmp_path)
     assert plan.num_samples == out.num_rows and plan.turns_of == table.num_rows
+    from eagle_ray.generate.run import expected_samples  # the streamed run's progress total
+
+    assert expected_samples(recipe, res.out_dir / "prompts.parquet") == out.num_rows
     assert plan.total_tokens == 2 * sum(sum(r["turn_tokens"]) for r in table.to_pylist())
     # ingested for the final turn only: the plan for every turn refuses, naming the fix
     res_last = ingest([SourceSpec(path=str(EXAMPLE))], tmp_path / "last",
