@@ -395,6 +395,8 @@ def summary_text(out: Path, timings: dict[str, float], ran: list[str]) -> str:
 
 
 def _headline_text(ev: dict) -> str:
+    from eagle_ray.evaluate.run import speedup_text
+
     h = ev["headline"]
-    return (f"expected speedup {h['setting']} {h['speedup']:.2f}x with {h['draft_sample_method']} "
+    return (f"expected speedup {h['setting']} {speedup_text(h)} with {h['draft_sample_method']} "
             f"drafting, mean acceptance length {h['mean_acceptance_length']:.2f}")

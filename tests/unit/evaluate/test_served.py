@@ -184,3 +184,13 @@ def test_distribution_test_size_and_power():
     assert not res["passed"] and "FAILED" in distribution_lines(res)[0]
     with pytest.raises(ValueError, match="same prompts and seeds"):
         distribution_test([[[1]]], [[[1]], [[2]]])
+
+
+def test_a_speedup_above_what_acceptance_allows_is_not_reported_as_one():
+    """Measured on a busy machine the run without drafts can be slowed alone (seen: 5.92x at
+    acceptance length 2.83); a drafted run cannot beat it by more than its acceptance length."""
+    from eagle_ray.evaluate.run import speedup_text
+
+    assert speedup_text({"speedup": 1.4, "mean_acceptance_length": 5.56}) == "1.40x"
+    text = speedup_text({"speedup": 5.92, "mean_acceptance_length": 2.83})
+    assert text.startswith("not measured") and "5.92x" in text and "2.83" in text
