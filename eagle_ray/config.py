@@ -516,6 +516,12 @@ class Recipe:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     curve: CurveConfig = field(default_factory=CurveConfig)
 
+    @property
+    def regenerates_every_turn(self) -> bool:
+        """Generation draws one sample per logged assistant turn (data.train_turns=all with
+        generate.mode=regenerate; ids `<prompt>#<t * N + j>`)."""
+        return self.generate.mode == "regenerate" and self.data.train_turns == "all"
+
     def __post_init__(self) -> None:
         if self.generate.gpus_per_replica not in (0, self.target.tensor_parallel_size):
             raise ValueError(

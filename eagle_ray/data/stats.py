@@ -74,13 +74,12 @@ def compute_stats(path: str | Path) -> dict[str, Any]:
     return result
 
 
-TURNS = "turn_tokens"
-
-
 def token_lengths(path: str | Path, *, per_turn: bool = False) -> pl.Series:
     """The num_tokens column (the planner uses it to price shorter max_seq_len); `per_turn`:
     one length per sample that regenerating every assistant turn draws (prompts.parquet's
     `turn_tokens`, written by ingest with data.train_turns=all and mode regenerate)."""
+    from eagle_ray.data.tokenize import TURNS_COLUMN as TURNS
+
     table = find_table(path)
     if not per_turn:
         return pl.read_parquet(table, columns=["num_tokens"])["num_tokens"]

@@ -353,7 +353,6 @@ def length_annotator(recipe, *, workers: int | None = None):
     import pyarrow as pa
 
     tokenizer = load_tokenizer(recipe.target)
-    every_turn = recipe.generate.mode == "regenerate" and recipe.data.train_turns == "all"
 
     def annotate(table: pa.Table) -> pa.Table:
         if table.column("tools").null_count < table.num_rows:
@@ -370,7 +369,7 @@ def length_annotator(recipe, *, workers: int | None = None):
                 tools_col=table.column("tools").to_pylist()).items()}
         for name, values in cols.items():
             table = table.append_column(name, values)
-        if every_turn:  # the planner counts one sample per turn (plan_from_stats)
+        if recipe.regenerates_every_turn:  # the planner counts one sample per turn (plan_from_stats)
             table = table.append_column(TURNS_COLUMN, pa.array(turn_lengths(
                 tokenizer, table.column("messages").to_pylist(), table.column("reference").to_pylist(),
                 recipe.data.max_seq_len, table.column("tools").to_pylist()), pa.list_(pa.int32())))

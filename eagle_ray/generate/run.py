@@ -72,13 +72,12 @@ def expected_samples(recipe: Recipe, file: Path) -> int:
     """The samples generation draws from a prompts file: N = generate.samples_per_prompt a
     prompt, or N a logged turn when every turn is regenerated (ingest's `turn_tokens`, which
     the plan counted; the prompt count where the file has none)."""
-    from eagle_ray.data.stats import TURNS
-    from eagle_ray.plan.budget import every_turn_regenerated
+    from eagle_ray.data.tokenize import TURNS_COLUMN
 
     n = recipe.generate.samples_per_prompt if recipe.generate.mode == "regenerate" else 1
     f = pq.ParquetFile(file)
-    if every_turn_regenerated(recipe) and TURNS in f.schema_arrow.names:
-        turns = f.read(columns=[TURNS]).column(0)
+    if recipe.regenerates_every_turn and TURNS_COLUMN in f.schema_arrow.names:
+        turns = f.read(columns=[TURNS_COLUMN]).column(0)
         return n * int(pc.sum(pc.list_value_length(turns)).as_py() or 0)
     return n * f.metadata.num_rows
 
@@ -127,7 +126,7 @@ def generation_params(recipe: Recipe, model_dir: Path) -> dict:
         "max_seq_len": recipe.data.max_seq_len,
         # Every logged assistant turn regenerated (samples `<prompt>#<t * N + j>`); absent for
         # the final turn only, so earlier runs' parameters still match
-        **({"train_turns": "all"} if g.mode == "regenerate" and recipe.data.train_turns == "all" else {}),
+        **({"train_turns": "all"} if recipe.regenerates_every_turn else {}),
     }
 
 

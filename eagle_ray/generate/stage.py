@@ -221,7 +221,7 @@ class Regenerate(_Base):
         from eagle_ray.data.ids import completion_id, turn_completion_id
 
         n = self.recipe.generate.samples_per_prompt
-        every_turn = self.recipe.data.train_turns == "all"
+        every_turn = self.recipe.regenerates_every_turn
         if n == 1 and not every_turn:
             return batch
         take, ids, msgs = [], [], []

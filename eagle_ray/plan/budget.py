@@ -220,18 +220,13 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def every_turn_regenerated(recipe: Recipe) -> bool:
-    """Generation draws one sample per logged assistant turn (data.train_turns=all)."""
-    return recipe.generate.mode == "regenerate" and recipe.data.train_turns == "all"
-
-
 def plan_from_stats(recipe: Recipe, stats: dict[str, Any], lengths: Sequence[int] | None = None,
                     out_dir: str | Path | None = None) -> Plan:
     """The plan for an ingested or generated table's samples. Regenerating every turn of a
     prompts.parquet, `lengths` are its per-turn sample lengths (`token_lengths(per_turn=True)`):
     samples and tokens grow with the turns, and the plan says so (`turns_of`)."""
     o = stats["overall"]
-    if every_turn_regenerated(recipe) and str(stats["table"]).endswith("prompts.parquet"):
+    if recipe.regenerates_every_turn and str(stats["table"]).endswith("prompts.parquet"):
         if lengths is None:
             raise ValueError("data.train_turns=all regenerates every turn: the plan needs the "
                              "per-turn lengths (data.stats.token_lengths(per_turn=True))")
@@ -265,7 +260,7 @@ def plan_for_table(recipe: Recipe, path: str | Path, out_dir: str | Path | None 
     from eagle_ray.data.stats import compute_stats, token_lengths
 
     stats = compute_stats(path)
-    per_turn = every_turn_regenerated(recipe) and str(stats["table"]).endswith("prompts.parquet")
+    per_turn = recipe.regenerates_every_turn and str(stats["table"]).endswith("prompts.parquet")
     lengths = token_lengths(path, per_turn=per_turn).to_numpy()
     return stats, plan_from_stats(recipe, stats, lengths, out_dir=out_dir)
 
