@@ -597,6 +597,21 @@ def _say_done(ing: _Ingestor, totals: dict[str, int], out: Path) -> None:
     )
 
 
+def _non_text_share(ing: _Ingestor, per_source_reasons: dict[str, dict[str, int]]) -> dict[str, float]:
+    """Per source, the share of its records rejected for image (or other non-text) parts,
+    said once as a warning: that part of the user's traffic is not trained on, since the
+    capture is text only (docs/design.md, "Images (multimodal capture): what it needs")."""
+    shares = {}
+    for src, reasons in per_source_reasons.items():
+        k, n = reasons.get("non_text_part", 0), ing.per_source[src]["lines_read"]
+        if k and n:
+            shares[src] = k / n
+            ing.say(f"{src}: {k:,} of its {n:,} sessions ({k / n:.1%}) carry images or other "
+                    "non-text parts, rejected (non_text_part): the capture is text only, so "
+                    "that share of the traffic is not trained on", warn=True)
+    return shares
+
+
 def ingest(
     sources: list[SourceSpec],
     out_dir: str | Path,
@@ -644,6 +659,7 @@ def ingest(
         per_source_reasons = {k: dict(sorted(v.items())) for k, v in ing.source_reasons.items()}
         report = _report(ing, totals, reject_reasons, sel_info, shortfall)
         report["reject_reasons_per_source"] = per_source_reasons
+        report["non_text_share"] = _non_text_share(ing, per_source_reasons)
         report["with_tools"] = with_tools
         _write_report(out, report, files)
         _commit_outputs(out, files)

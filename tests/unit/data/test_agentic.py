@@ -34,6 +34,10 @@ def test_the_example_sessions_are_accounted_for_and_each_broken_kind_named(tmp_p
     assert {r["line"]: r["reason"] for r in rejects} == broken
     assert set(broken.values()) >= {"bad_tools", "bad_arguments", "orphan_tool_result",
                                     "missing_tool_result", "bad_tool_call", "non_text_part"}
+    # The share of sessions the text-only capture cannot train on, said once per source.
+    n_img = sum(1 for r in rejects if r["reason"] == "non_text_part")
+    said = [w for w in res.warnings if "non_text_part" in w]
+    assert n_img and len(said) == 1 and f"{n_img:,} of its {len(records):,} sessions" in said[0]
     rows = _rows(res)
     with_tools = [r for r in rows if r["tools"] is not None]
     assert len(with_tools) == len(rows)  # every accepted session offered tools
