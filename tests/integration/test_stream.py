@@ -57,7 +57,7 @@ def test_streamed_equals_staged_and_resumes_both_stages(tmp_path, staged, placem
     res = run_generate_extract(r, staged / "prompts", tmp_path / "sgen", tmp_path / "sstore")
     assert (res.generated, res.extracted) == (N - N // 2, N - N // 4)
     assert res.generate_counts == {"prompts": N, "samples_per_prompt": 1, "ok": N, "rejected": 0,
-                                   "pending": 0}
+                                   "pending_prompts": 0, "pending": 0}
     a = pq.read_table(staged / "gen" / "conversations.parquet")
     b = pq.read_table(tmp_path / "sgen" / "conversations.parquet")
     assert a.column("sample_id").to_pylist() == b.column("sample_id").to_pylist()
