@@ -11,6 +11,8 @@ Each token also stores input_ids (int32) and loss_mask (uint8): 5 bytes.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -101,6 +103,9 @@ class Plan:
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     turns_of: int | None = None
     """Regenerating every assistant turn: the sessions the samples are the turns of."""
+    non_text_share: dict[str, float] = field(default_factory=dict)
+    """Per source, the share of its sessions ingest rejected for image (non-text) parts: the
+    traffic this plan does not train on (the capture is text only)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -203,6 +208,8 @@ def format_plan(plan: Plan) -> str:
         f"store size              {_gb(p.total_bytes)}",
         f"free at {p.out_dir:<15} {_gb(p.free_bytes)}   (usable {_gb(p.usable_bytes)})",
         f"fits                    {'yes' if p.fits else 'NO, short by ' + _gb(p.shortfall_bytes)}",
+        *(f"not trained on          {src}: {share:.1%} of its sessions (image parts, rejected "
+          "non_text_part: the capture is text only)" for src, share in p.non_text_share.items()),
     ]
     for a in p.alternatives:
         extra = "" if a.get("fits", True) else " (does not fit either)"
@@ -262,7 +269,12 @@ def plan_for_table(recipe: Recipe, path: str | Path, out_dir: str | Path | None 
     stats = compute_stats(path)
     per_turn = recipe.regenerates_every_turn and str(stats["table"]).endswith("prompts.parquet")
     lengths = token_lengths(path, per_turn=per_turn).to_numpy()
-    return stats, plan_from_stats(recipe, stats, lengths, out_dir=out_dir)
+    plan = plan_from_stats(recipe, stats, lengths, out_dir=out_dir)
+    report = Path(stats["table"]).parent / "report.json"  # ingest's, beside its prompts.parquet
+    if report.exists():
+        shares = json.loads(report.read_text()).get("non_text_share") or {}
+        plan = dataclasses.replace(plan, non_text_share={k: float(v) for k, v in shares.items()})
+    return stats, plan
 
 
 def plan_from_recipe(recipe: Recipe, out_dir: str | Path | None = None) -> Plan:

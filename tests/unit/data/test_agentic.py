@@ -523,6 +523,12 @@ def test_every_turn_regenerated_expands_a_session_into_its_logged_histories(tmp_
     assert len(by_prompt) == table.num_rows
     _, plan = plan_for_table(recipe, res.out_dir, out_dir=tmp_path)
     assert plan.num_samples == out.num_rows and plan.turns_of == table.num_rows
+    # what the plan does not train on: the example's image sessions, its share named
+    report = json.loads((res.out_dir / "report.json").read_text())
+    assert plan.non_text_share == report["non_text_share"] and set(plan.non_text_share) == {"agentic"}
+    from eagle_ray.plan.budget import format_plan
+
+    assert f"agentic: {report['non_text_share']['agentic']:.1%} of its sessions" in format_plan(plan)
     from eagle_ray.generate.run import expected_samples  # the streamed run's progress total
 
     assert expected_samples(recipe, res.out_dir / "prompts.parquet") == out.num_rows
