@@ -404,6 +404,9 @@ class ExtractConfig:
             raise ValueError("extract: need batch_size >= 1, gpus_per_replica >= 0, num_cpus_per_replica >= 0")
 
 
+INIT_FROM_TARGET = ("none", "lm_head", "layer")
+
+
 @dataclass(kw_only=True, frozen=True)
 class TrainConfig:
     """Drafter training with Ray Train (DDP: nccl on GPUs, gloo on the CPU)."""
@@ -442,6 +445,12 @@ class TrainConfig:
     init_vocab: str = "keep"
     """With init_from: "keep" the published draft vocabulary (every lm_head row keeps its
     token), or "data": rebuild it from your loss tokens, carrying each surviving token's row."""
+    init_from_target: str = "none"
+    """Start a fresh drafter from the target's own weights (eagle_ray/train/init.py,
+    `target_init_state`): "none" (random initialisation), "lm_head" (the drafter's lm_head =
+    the target's lm_head rows of the draft vocabulary, its final norm = the target's), or
+    "layer" (that, and its decoder layer from the target's last one: MLP, o_proj, norms, and
+    the hidden-state half of q/k/v). Shapes must match the target's; refused otherwise."""
     online_bytes_in_flight: int = 2 << 30
     """Online training (no store): feature bytes each worker may have requested ahead from the
     extractor actors (object store); sets how many steps are prefetched (1..8)."""
@@ -461,6 +470,12 @@ class TrainConfig:
             raise ValueError(f"train.init_vocab={self.init_vocab!r}; choose keep or data")
         if self.keep_checkpoints < 0:
             raise ValueError(f"train.keep_checkpoints={self.keep_checkpoints}: need >= 0 (0 keeps all)")
+        if self.init_from_target not in INIT_FROM_TARGET:
+            raise ValueError(f"train.init_from_target={self.init_from_target!r}; choose one of "
+                             f"{', '.join(INIT_FROM_TARGET)}")
+        if self.init_from and self.init_from_target != "none":
+            raise ValueError(f"train.init_from={self.init_from} and train.init_from_target="
+                             f"{self.init_from_target}: a run starts from one of them; unset one")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -142,3 +142,30 @@ def load_embed_and_lm_head(model_dir: str | Path):
     t = load_tensors(model_dir, [embed[0]] + head[:1])
     e = t[embed[0]]
     return e, (t[head[0]] if head else e)
+
+
+def load_last_layer(model_dir: str | Path, suffixes: tuple[str, ...]):
+    """The target's last decoder layer (`{prefix}layers.{L-1}.{suffix}` for each suffix, the
+    language model's, never an MTP or vision layer) and its final norm (`{prefix}norm.weight`),
+    keyed by suffix and "norm.weight"; KeyError naming what the checkpoint lacks."""
+    model_dir = Path(model_dir)
+    last = int(text_config(read_config(model_dir))["num_hidden_layers"]) - 1
+    wmap = _weight_map(model_dir)
+    lm = [n for n in wmap if "mtp" not in n and "vision" not in n and "visual" not in n]
+    names, missing = {}, []
+    for suffix in suffixes:
+        hit = sorted(n for n in lm if n.endswith(f"layers.{last}.{suffix}"))
+        if hit:
+            names[suffix] = hit[0]
+        else:
+            missing.append(f"layers.{last}.{suffix}")
+    norms = sorted(n for n in lm if n.endswith("norm.weight") and "layers." not in n)
+    if norms:
+        names["norm.weight"] = min(norms, key=len)
+    else:
+        missing.append("the final norm.weight")
+    if missing:
+        raise KeyError(f"{model_dir}: no tensor {', '.join(missing)} (is its last layer a Llama-like "
+                       "decoder layer?)")
+    t = load_tensors(model_dir, list(names.values()))
+    return {k: t[n] for k, n in names.items()}

@@ -233,3 +233,61 @@ def init_state(pub: PublishedDrafter, arch, d2t_new, seed: int) -> tuple[dict[st
     keep = src >= 0
     lm[keep] = lm_old[src[keep]].to(lm.dtype)
     return state, {"carried_rows": int(keep.sum()), "fresh_rows": int((~keep).sum())}
+
+
+# The drafter's decoder layer (midlayer) from the target's last one, by name. q/k/v take
+# [norm(embedding) ; hidden_norm(g)] (2H inputs, drafter.py): the target's own q/k/v go to
+# the hidden-state half (columns H:), the embedding half keeps its fresh initialisation.
+_FROM_LAST_LAYER = {
+    "midlayer.input_layernorm.weight": "input_layernorm.weight",
+    "midlayer.hidden_norm.weight": "input_layernorm.weight",
+    "midlayer.self_attn.o_proj.weight": "self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight": "mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def target_init_state(target_dir: str | Path, arch, d2t, seed: int, what: str
+                      ) -> tuple[dict[str, Any], list[str]]:
+    """A fresh drafter's initial state with parts taken from the target (`train.init_from_target`):
+
+        lm_head   lm_head.weight[i] = target lm_head[draft id i -> target id]; norm = target's final norm
+        layer     that, and midlayer.* from the target's last decoder layer (_FROM_LAST_LAYER),
+                  q/k/v_proj[:, H:] = the target's q/k/v_proj (the hidden-state half)
+
+    Returns (state, the drafter tensor names taken from the target). Any shape that differs
+    from the target's is refused, naming both (a MoE or MLA last layer has no counterpart)."""
+    import torch
+
+    from eagle_ray.model.drafter import Eagle3Drafter
+    from eagle_ray.model.vocab import draft_target_ids
+    from eagle_ray.targets.load import load_embed_and_lm_head, load_last_layer
+
+    torch.manual_seed(seed)
+    state = {k: v.detach().clone() for k, v in Eagle3Drafter(arch, d2t=d2t).state_dict().items()}
+    suffixes = tuple(_FROM_LAST_LAYER.values()) + tuple(f"self_attn.{p}.weight" for p in _QKV)
+    src = load_last_layer(target_dir, suffixes if what == "layer" else ())
+    _, head = load_embed_and_lm_head(target_dir)
+    plan = {"lm_head.weight": head[draft_target_ids(torch.as_tensor(d2t, dtype=torch.int64))],
+            "norm.weight": src["norm.weight"]}
+    H = arch.hidden_size
+    if what == "layer":
+        plan.update({mine: src[theirs] for mine, theirs in _FROM_LAST_LAYER.items()})
+        for p in _QKV:
+            name = f"midlayer.self_attn.{p}.weight"
+            w = state[name].clone()
+            theirs = src[f"self_attn.{p}.weight"]
+            if tuple(theirs.shape) != (w.shape[0], H):
+                raise ValueError(f"train.init_from_target=layer: the target's {p} is "
+                                 f"{tuple(theirs.shape)}, the drafter's hidden half is {(w.shape[0], H)}")
+            w[:, H:] = theirs.to(w.dtype)
+            plan[name] = w
+    for name, w in plan.items():
+        if tuple(w.shape) != tuple(state[name].shape):
+            raise ValueError(f"train.init_from_target={what}: the target's tensor for {name} is "
+                             f"{tuple(w.shape)}, the drafter's is {tuple(state[name].shape)}")
+        state[name] = w.to(state[name].dtype).clone()
+    return state, sorted(plan)

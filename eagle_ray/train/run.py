@@ -92,7 +92,7 @@ def prepare_run(recipe: Recipe, store_dir: str | Path, run_dir: str | Path) -> d
     counts = loss_token_counts(((r["input_ids"], r["loss_mask"]) for r in map(store.raw, train_ids)),
                                arch.target_vocab_size)
     claim_output_dir(run, "train")
-    vocab = _init_fields(recipe, run, pub, arch, _vocab_fields(counts, arch))
+    vocab = _init_fields(recipe, run, pub, arch, _vocab_fields(counts, arch), target_dir)
     info = {"recipe": recipe.to_dict(), "arch": asdict(arch), "store": str(Path(store_dir).resolve()),
             "store_manifest": json.loads(manifest_bytes),
             "store_manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
@@ -142,33 +142,48 @@ def _published(recipe: Recipe, target_dir: Path, arch, manifest: dict[str, Any])
     return pub, arch
 
 
-def _init_fields(recipe: Recipe, run: Path, pub, arch, vocab: dict[str, Any]) -> dict[str, Any]:
-    """run.json fields of a run started from a published drafter: its d2t (init_vocab keep)
-    or the data's (init_vocab data, rows carried), and RUN/init/model.safetensors, the
-    initial state every rank loads."""
-    if pub is None:
-        return vocab
+def _write_init_state(run: Path, state: dict[str, Any]) -> tuple[str, str]:
+    """RUN/init/model.safetensors, the initial state every rank loads: (its path, sha256)."""
     import hashlib
 
-    import torch
     from safetensors.torch import save
 
-    from eagle_ray.train.init import init_state, published_d2t
-
-    if recipe.train.init_vocab == "keep":
-        vocab = {**vocab, "d2t": published_d2t(pub).tolist()}
-    state, rows = init_state(pub, arch, torch.tensor(vocab["d2t"]), recipe.train.seed)
     (run / "init").mkdir(parents=True, exist_ok=True)
     data = save({k: v.contiguous() for k, v in state.items()})
     atomic_write_bytes(run / "init" / "model.safetensors", data)
-    digest = hashlib.sha256(data).hexdigest()
+    return str(run / "init" / "model.safetensors"), hashlib.sha256(data).hexdigest()
+
+
+def _init_fields(recipe: Recipe, run: Path, pub, arch, vocab: dict[str, Any],
+                 target_dir: Path) -> dict[str, Any]:
+    """run.json fields of a run started from a published drafter: its d2t (init_vocab keep)
+    or the data's (init_vocab data, rows carried), and RUN/init/model.safetensors, the
+    initial state every rank loads; or of a fresh drafter started from the target's weights
+    (train.init_from_target)."""
+    import torch
+
+    from eagle_ray.train.init import init_state, published_d2t, target_init_state
+
+    what = recipe.train.init_from_target
+    if pub is None and what != "none":
+        state, names = target_init_state(target_dir, arch, torch.tensor(vocab["d2t"]),
+                                         recipe.train.seed, what)
+        path, digest = _write_init_state(run, state)
+        logger.info("train: starting from the target's weights (%s): %d tensors", what, len(names))
+        return {**vocab, "init_from": {"target": str(target_dir), "what": what, "tensors": names,
+                                       "state": path, "sha256": digest}}
+    if pub is None:
+        return vocab
+    if recipe.train.init_vocab == "keep":
+        vocab = {**vocab, "d2t": published_d2t(pub).tolist()}
+    state, rows = init_state(pub, arch, torch.tensor(vocab["d2t"]), recipe.train.seed)
+    path, digest = _write_init_state(run, state)
     logger.info("train: starting from %s (%s layout), draft vocabulary %s: %d lm_head rows "
                 "carried, %d fresh", pub.path, pub.layout, recipe.train.init_vocab,
                 rows["carried_rows"], rows["fresh_rows"])
     return {**vocab, "init_from": {"dir": str(pub.path.resolve()), "layout": pub.layout,
                                    "vocab": recipe.train.init_vocab, **rows,
-                                   "state": str(run / "init" / "model.safetensors"),
-                                   "sha256": digest}}
+                                   "state": path, "sha256": digest}}
 
 
 def run_train(recipe: Recipe, store_dir: str | Path | None, run_dir: str | Path, *,
@@ -243,7 +258,7 @@ def prepare_run_online(recipe: Recipe, conversations: str | Path, run_dir: Path,
     train_ids, val_ids = _split(windows, recipe.train.val_fraction)
     counts = loss_token_counts((windows[s][:2] for s in train_ids), arch.target_vocab_size)
     claim_output_dir(run_dir, "train")
-    vocab = _init_fields(recipe, run_dir, pub, arch, _vocab_fields(counts, arch))
+    vocab = _init_fields(recipe, run_dir, pub, arch, _vocab_fields(counts, arch), target_dir)
     info = {"recipe": recipe.to_dict(), "arch": asdict(arch), "online": True, "store": None,
             "store_manifest": manifest,
             "conversations": str(conv_file), "conversations_sha256": digest,
