@@ -12,10 +12,11 @@ spread across seeds, and the difference from the baseline (the recipe as given).
         [--variant NAME=SECTION.FIELD=VALUE[,SECTION.FIELD=VALUE ...] ...] [--only NAME,NAME]
 
 Without --variant it runs the default list below (TTT length, draft vocabulary, layers,
-learning rate, warmup, starting from the target's weights). `--set` applies to every variant, baseline included (e.g. the
-bench's data window). A variant that draws a different draft vocabulary rebuilds it from the
-same training split. Every (variant, seed) is one `eagle-ray train` run under
-OUT/NAME/seed-S; a killed study re-run skips finished runs and resumes unfinished ones.
+learning rate and schedule, twice the steps, starting from the target's weights). `--set`
+applies to every variant, baseline included (e.g. the bench's data window). A variant that
+draws a different draft vocabulary rebuilds it from the same training split. Every
+(variant, seed) is one `eagle-ray train` run under OUT/NAME/seed-S; a killed study re-run
+skips finished runs and resumes unfinished ones.
 Prints one markdown table and writes OUT/study.json and OUT/study.md.
 """
 
@@ -40,9 +41,10 @@ VARIANTS: dict[str, list[str]] = {
     "vocab=2048": ["drafter.draft_vocab_size=2048"],
     "vocab=32000": ["drafter.draft_vocab_size=32000"],
     "layers=2": ["drafter.num_layers=2"],
-    "lr=1.5e-4": ["train.lr=1.5e-4"],
-    "lr=5e-4": ["train.lr=5e-4"],
-    "warmup=10": ["train.warmup_steps=10"],
+    "lr=1e-3": ["train.lr=1e-3"],
+    "lr=1e-2": ["train.lr=1e-2"],
+    "schedule=constant": ["train.lr_schedule=constant"],
+    "schedule=linear": ["train.lr_schedule=linear"],
     "init=lm_head": ["train.init_from_target=lm_head"],
     "init=layer": ["train.init_from_target=layer"],
 }
@@ -135,7 +137,8 @@ def main(argv=None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     logs.setup(out)
-    variants = dict(parse_variant(v) for v in args.variant) if args.variant else dict(VARIANTS)
+    variants = (dict(parse_variant(v) for v in args.variant) if args.variant
+                else {**VARIANTS, f"steps={2 * args.steps}": [f"train.max_steps={2 * args.steps}"]})
     variants.setdefault("baseline", [])
     variants = {"baseline": variants.pop("baseline"), **variants}
     if args.only:

@@ -418,6 +418,8 @@ class TrainConfig:
     lr: float = 5e-5
     weight_decay: float = 0.0
     warmup_steps: int = 100
+    lr_schedule: str = "cosine"
+    """After warmup: "cosine" or "linear" decay to 10% of train.lr at max_steps, or "constant"."""
     max_steps: int = 10_000
     """Optimizer steps (the cosine schedule decays over these)."""
     tokens_per_batch: int = 16_384
@@ -470,6 +472,8 @@ class TrainConfig:
             raise ValueError(f"train.init_vocab={self.init_vocab!r}; choose keep or data")
         if self.keep_checkpoints < 0:
             raise ValueError(f"train.keep_checkpoints={self.keep_checkpoints}: need >= 0 (0 keeps all)")
+        if self.lr_schedule not in ("cosine", "linear", "constant"):
+            raise ValueError(f"train.lr_schedule={self.lr_schedule!r}; choose cosine, linear or constant")
         if self.init_from_target not in INIT_FROM_TARGET:
             raise ValueError(f"train.init_from_target={self.init_from_target!r}; choose one of "
                              f"{', '.join(INIT_FROM_TARGET)}")

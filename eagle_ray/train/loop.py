@@ -38,11 +38,17 @@ from eagle_ray.config import TrainConfig
 logger = logging.getLogger(__name__)
 
 
-def lr_lambda(warmup: int, total: int):
+def lr_lambda(warmup: int, total: int, schedule: str = "cosine"):
+    """The learning-rate factor at a step (train.lr_schedule): linear warmup over `warmup`
+    steps, then cosine or linear decay to 10% of the peak at `total`, or constant."""
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "constant":
+            return 1.0
+        if schedule == "linear":
+            return 1.0 - 0.9 * progress
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))  # cosine to 10% of peak
     return f
 
@@ -157,7 +163,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(model.parameters(), lr=self.t.lr, betas=(0.9, 0.95),
                                      weight_decay=self.t.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lr_lambda(self.t.warmup_steps, self.t.max_steps))
+            self.opt, lr_lambda(self.t.warmup_steps, self.t.max_steps, self.t.lr_schedule))
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                          if (self.use_gpu and self.t.bf16) else None)
 
