@@ -68,7 +68,9 @@ def table(out: Path, wall: dict[str, float], args) -> tuple[dict, str]:
     report = json.loads((out / "evaluate" / "report.json").read_text())
     metrics = [m for m in _jsonl(out / "train" / "metrics.jsonl") if "train/tokens_per_s" in m]
     curve = json.loads((out / "curve" / "curve.json").read_text()) if (out / "curve" / "curve.json").exists() else None
-    t = summary["timings_s"]
+    # A resumed job skips finished steps: their cost is what the submission that did them
+    # recorded (summary step_wall_s); None when no submission recorded it.
+    t = {k.replace("+", "_"): v for k, v in (summary.get("step_wall_s") or {}).items()}
     completion = _completion_tokens(out / "generate")
     fig = {
         "date": datetime.date.today().isoformat(), "command": " ".join(["bench/real_target.py", *sys.argv[1:]]),
@@ -93,9 +95,11 @@ def table(out: Path, wall: dict[str, float], args) -> tuple[dict, str]:
              f"{fig['generated']['generated']:,} ({fig['generated']['rejected']:,})"),
             ("store samples / completion tokens", f"{fig['store_samples']:,} / {completion:,}"),
             ("generate+extract wall, completion tokens/s",
-             f"{fig['generate_extract_s'] or 0:,.0f} s, {fig['generate_extract_completion_tokens_per_s'] or 0:,.1f}"),
+             f"{fig['generate_extract_s']:,.0f} s, {fig['generate_extract_completion_tokens_per_s']:,.1f}"
+             if fig["generate_extract_s"] else "not recorded (done by a submission that kept no step_wall.json)"),
             ("train steps, wall, tokens/s",
-             f"{fig['train_steps']}, {fig['train_s'] or 0:,.0f} s, {fig['train_tokens_per_s'] or 0:,.0f}"),
+             f"{fig['train_steps']}, " + (f"{fig['train_s']:,.0f} s" if fig["train_s"] else "wall not recorded")
+             + f", {fig['train_tokens_per_s'] or 0:,.0f}"),
             ("held-out prompts (by conversation), k", f"{report['prompts']}, {report['k']}")]
     for name in ("offline", "online", "untrained", "ngram"):
         mean, per = _acceptance(report.get(name))

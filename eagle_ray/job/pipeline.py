@@ -48,6 +48,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_DATA = [str(REPO_ROOT / "examples" / "data" / "personal.jsonl"),
                str(REPO_ROOT / "examples" / "data" / "general_sharegpt.jsonl") + ":600::general"]
 SUMMARY_FILE = "summary.json"
+# Per step, the wall time of the submission that did its work, kept across resubmissions: a
+# resumed job skips finished steps, so its own timings say nothing of what they cost.
+STEP_WALL_FILE = "step_wall.json"
 CHECK_FILE = "check.json"
 
 
@@ -336,6 +339,7 @@ def run_steps(job: Job, steps: list[Step], timings: dict[str, float]) -> list[st
             print(f"{step.name}: complete in {where}, skipped")
         elif step.run(job):
             ran.append(step.name)
+            _record_step_wall(job.out, step.name, time.time() - t0)
         elif where:
             print(f"{step.name}: complete in {where}, nothing left to do")
         timings[step.name] = time.time() - t0
@@ -346,6 +350,12 @@ def run_steps(job: Job, steps: list[Step], timings: dict[str, float]) -> list[st
         for p in bad:
             print(f"{step.name}: problem: {p}", file=sys.stderr)
     return ran
+
+
+def _record_step_wall(out: Path, name: str, seconds: float) -> None:
+    walls = _json(out / STEP_WALL_FILE) or {}
+    walls[name] = {"wall_s": seconds, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    atomic_write_json(out / STEP_WALL_FILE, walls)
 
 
 def _summary(job: Job, target_dir: Path, ran: list[str], timings: dict[str, float]) -> dict:
@@ -370,7 +380,9 @@ def _summary(job: Job, target_dir: Path, ran: list[str], timings: dict[str, floa
             "store_verify": check, "train": f["train"], "check": {"ok": True, **f["check"].details},
             "evaluate": {k: ev.get(k) for k in ("headline", "offline", "online", "untrained", "ngram",
                                                 "baseline_drafter", "outputs_identical", "as_served")},
-            "timings_s": timings}
+            "timings_s": timings,
+            # what each step cost when it did its work (this submission or an earlier one)
+            "step_wall_s": {k: v["wall_s"] for k, v in (_json(out / STEP_WALL_FILE) or {}).items()}}
 
 
 def summary_text(out: Path, timings: dict[str, float], ran: list[str]) -> str:

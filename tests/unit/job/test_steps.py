@@ -49,3 +49,18 @@ def test_the_job_tables_differ_only_in_the_generation_step():
     off, on = [s.name for s in OFFLINE_STEPS], [s.name for s in ONLINE_STEPS]
     assert off == ["ingest", "plan", "generate+extract", "train", "export", "check", "evaluate", "serving"]
     assert on == [n if n != "generate+extract" else "generate" for n in off]
+
+
+def test_a_steps_wall_time_is_kept_by_the_submission_that_did_its_work(tmp_path):
+    import json
+
+    from eagle_ray.job.pipeline import STEP_WALL_FILE
+
+    job = Job(None, [], tmp_path, False)
+    run_steps(job, _steps([], complete=set(), works={"a", "b"}), {})
+    first = json.loads((tmp_path / STEP_WALL_FILE).read_text())
+    assert set(first) == {"a", "b"} and all(v["wall_s"] >= 0 for v in first.values())
+    # resubmitted: a and b complete and skipped, c does its work; a's and b's records stay
+    run_steps(job, _steps([], complete={"a", "b"}, works={"c"}), {})
+    again = json.loads((tmp_path / STEP_WALL_FILE).read_text())
+    assert set(again) == {"a", "b", "c"} and again["a"] == first["a"] and again["b"] == first["b"]
