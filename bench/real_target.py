@@ -70,7 +70,9 @@ def table(out: Path, wall: dict[str, float], args) -> tuple[dict, str]:
     curve = json.loads((out / "curve" / "curve.json").read_text()) if (out / "curve" / "curve.json").exists() else None
     # A resumed job skips finished steps: their cost is what the submission that did them
     # recorded (summary step_wall_s); None when no submission recorded it.
-    t = {k.replace("+", "_"): v for k, v in (summary.get("step_wall_s") or {}).items()}
+    walls = {**{k: summary["timings_s"][k] for k in summary.get("steps_run", ())},
+             **(summary.get("step_wall_s") or {})}
+    t = {k.replace("+", "_"): v for k, v in walls.items()}
     completion = _completion_tokens(out / "generate")
     fig = {
         "date": datetime.date.today().isoformat(), "command": " ".join(["bench/real_target.py", *sys.argv[1:]]),
