@@ -194,3 +194,14 @@ def test_a_speedup_above_what_acceptance_allows_is_not_reported_as_one():
     assert speedup_text({"speedup": 1.4, "mean_acceptance_length": 5.56}) == "1.40x"
     text = speedup_text({"speedup": 5.92, "mean_acceptance_length": 2.83})
     assert text.startswith("not measured") and "5.92x" in text and "2.83" in text
+
+
+def test_the_check_verdict_says_its_tolerance_and_the_rule_that_set_it():
+    from eagle_ray.evaluate.check import CheckResult
+
+    r = CheckResult(details={"max_abs_diff": 58.9, "tokens_compared": 256, "tolerance": 60.2,
+                             "tolerance_rule": "0.001 x the largest |feature| 6.02e+04 (fp32 store)"})
+    line = r.summary_line("d")
+    assert "max |diff| 58.9 over 256 tokens, tolerance 60.2: 0.001 x the largest |feature|" in line
+    assert CheckResult(details={"max_abs_diff": 0.1, "tokens_compared": 8}).summary_line("d").endswith(
+        "(max |diff| 0.1 over 8 tokens)")
