@@ -98,7 +98,8 @@ def table(out: Path, wall: dict[str, float], args) -> tuple[dict, str]:
         rows.append((f"greedy: {name} acceptance (per position)", f"{mean} ({per})"))
     served = report.get("as_served") or {}
     for name, run in (served.get("runs") or {}).items():
-        rows.append((f"as served: {name}", f"{run['mean_acceptance_length']:.2f}"))
+        if "mean_acceptance_length" in run:  # not the run without speculation (the baseline)
+            rows.append((f"as served: {name}", f"{run['mean_acceptance_length']:.2f}"))
     if served.get("offline_expected"):
         rows.append(("as served: offline expectation", json.dumps(served["offline_expected"])))
     if curve:
