@@ -8,7 +8,7 @@ per variant (`train.seed`: initialisation and batch order); the table gives the 
 spread across seeds, and the difference from the baseline (the recipe as given).
 
     .venv/bin/python bench/study_defaults.py --store out/real/store --out out/study \\
-        [--recipe smollm2_cpu] [--steps 150] [--seeds 0,1] [--set SECTION.FIELD=VALUE ...] \\
+        [--recipe smollm2_cpu] [--steps 150] [--seeds 0,1] [--baseline-seeds 0,1,2] [--set SECTION.FIELD=VALUE ...] \\
         [--variant NAME=SECTION.FIELD=VALUE[,SECTION.FIELD=VALUE ...] ...] [--only NAME,NAME]
 
 Without --variant it runs the default list below (TTT length, draft vocabulary, layers,
@@ -87,7 +87,8 @@ def run_one(recipe_name: str, sets: list[str], store: Path, run_dir: Path, k_sam
     point = {"sets": sets, "greedy": off["mean_acceptance_length"],
              "per_position": off.get("per_position_acceptance"),
              "train_wall_s": wall, "tokens_per_s": sum(rates) / len(rates) if rates else None,
-             "val_samples": min(len(info["val_ids"]), 256)}
+             "val_samples": min(len(info["val_ids"]), 256),
+             "draft_vocab_coverage": info.get("draft_vocab_coverage")}
     served = off.get("as_served") or {}
     if served:
         point["as_served_probabilistic"] = served["probabilistic_drafting"]["mean_acceptance_length"]
@@ -104,7 +105,8 @@ def _stat(values: list[float]) -> tuple[float, float]:
 
 def table(results: dict[str, list[dict]], metrics: list[str]) -> str:
     base = {m: _stat([p[m] for p in results["baseline"]])[0] for m in metrics} if "baseline" in results else {}
-    head = ["variant", "seeds"] + [f"{m.replace('_', ' ')} (mean ± sd, vs baseline)" for m in metrics] + ["train tokens/s"]
+    head = (["variant", "seeds"] + [f"{m.replace('_', ' ')} (mean ± sd, vs baseline)" for m in metrics]
+            + ["train tokens/s", "draft vocab coverage"])
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, points in results.items():
         cells = [name, str(len(points))]
@@ -114,6 +116,8 @@ def table(results: dict[str, list[dict]], metrics: list[str]) -> str:
             cells.append(f"{mean:.3f} ± {sd:.3f}{delta}")
         rates = [p["tokens_per_s"] for p in points if p.get("tokens_per_s")]
         cells.append(f"{statistics.fmean(rates):,.0f}" if rates else "-")
+        cover = [p["draft_vocab_coverage"] for p in points if p.get("draft_vocab_coverage") is not None]
+        cells.append(f"{100 * statistics.fmean(cover):.1f}%" if cover else "-")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -125,6 +129,9 @@ def main(argv=None) -> int:
     p.add_argument("--recipe", default="smollm2_cpu")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--seeds", default="0,1")
+    p.add_argument("--baseline-seeds", default=None,
+                   help="seeds of the baseline alone (default: --seeds): more of them price the noise "
+                        "that a one-seed variant's difference must exceed")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=SECTION.FIELD=VALUE,...")
     p.add_argument("--only", default=None, help="comma-separated variant names to run (baseline always)")
@@ -148,6 +155,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"--only: unknown variants {sorted(unknown)}; known: {', '.join(variants)}")
         variants = {n: s for n, s in variants.items() if n in keep}
     seeds = [int(s) for s in args.seeds.split(",")]
+    base_seeds = [int(s) for s in (args.baseline_seeds or args.seeds).split(",")]
     # Steps fixed, one evaluation and checkpoint at the end: the variants differ only in the setting.
     common = list(args.set) + [f"train.max_steps={args.steps}", f"train.eval_interval={args.steps}",
                                f"train.ckpt_interval={args.steps}", "train.keep_checkpoints=1"]
@@ -159,7 +167,7 @@ def main(argv=None) -> int:
     results: dict[str, list[dict]] = {}
     t0 = time.time()
     for name, sets in variants.items():
-        for s in seeds:
+        for s in (base_seeds if name == "baseline" else seeds):
             print(f"study: {name} seed {s} ({time.time() - t0:,.0f} s in)", flush=True)
             results.setdefault(name, []).append(
                 run_one(args.recipe, common + sets + [f"train.seed={s}"], Path(args.store).resolve(),

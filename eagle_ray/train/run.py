@@ -92,7 +92,7 @@ def prepare_run(recipe: Recipe, store_dir: str | Path, run_dir: str | Path) -> d
     counts = loss_token_counts(((r["input_ids"], r["loss_mask"]) for r in map(store.raw, train_ids)),
                                arch.target_vocab_size)
     claim_output_dir(run, "train")
-    vocab = _init_fields(recipe, run, pub, arch, _vocab_fields(counts, arch), target_dir)
+    vocab = _coverage(_init_fields(recipe, run, pub, arch, _vocab_fields(counts, arch), target_dir), counts)
     info = {"recipe": recipe.to_dict(), "arch": asdict(arch), "store": str(Path(store_dir).resolve()),
             "store_manifest": json.loads(manifest_bytes),
             "store_manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
@@ -119,6 +119,22 @@ def _vocab_fields(counts, arch) -> dict[str, Any]:
     d2t, _ = build_draft_vocab(counts, arch.draft_vocab_size)
     return {"d2t": d2t.tolist(), "most_common_token": int(counts.argmax()),
             "most_common_token_share": float(counts.max() / max(1, counts.sum()))}
+
+
+def _coverage(vocab: dict[str, Any], counts) -> dict[str, Any]:
+    """vocab plus draft_vocab_coverage: the share of the training split's loss tokens that the
+    run's draft vocabulary (its final d2t: the data's, or a published drafter's) holds. A token
+    outside it can never be drafted, so this bounds every position's acceptance (held-out text
+    is covered a little less)."""
+    import torch
+
+    from eagle_ray.model.vocab import draft_target_ids
+
+    covered = int(counts[draft_target_ids(torch.as_tensor(vocab["d2t"]))].sum())
+    share = covered / max(1, int(counts.sum()))
+    logger.info("train: the draft vocabulary (%d tokens) holds %.1f%% of the training split's "
+                "loss tokens", len(vocab["d2t"]), 100 * share)
+    return {**vocab, "draft_vocab_coverage": share}
 
 
 def _published(recipe: Recipe, target_dir: Path, arch, manifest: dict[str, Any]):
@@ -258,7 +274,8 @@ def prepare_run_online(recipe: Recipe, conversations: str | Path, run_dir: Path,
     train_ids, val_ids = _split(windows, recipe.train.val_fraction)
     counts = loss_token_counts((windows[s][:2] for s in train_ids), arch.target_vocab_size)
     claim_output_dir(run_dir, "train")
-    vocab = _init_fields(recipe, run_dir, pub, arch, _vocab_fields(counts, arch), target_dir)
+    vocab = _coverage(_init_fields(recipe, run_dir, pub, arch, _vocab_fields(counts, arch), target_dir),
+                      counts)
     info = {"recipe": recipe.to_dict(), "arch": asdict(arch), "online": True, "store": None,
             "store_manifest": manifest,
             "conversations": str(conv_file), "conversations_sha256": digest,

@@ -212,6 +212,7 @@ def test_full_vocab_export_has_no_d2t_served_dtype_and_loads_in_vllm(tiny_traine
     assert "d2t" not in names and "t2d" not in names and "lm_head.weight" in names
     cfg = read_drafter_config(drafter)
     assert cfg["draft_vocab_size"] == cfg["vocab_size"] == 1024 and cfg["torch_dtype"] == "bfloat16"
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["draft_vocab_coverage"] == 1.0
     tdir = resolve_target_path(r.target)
     prompts = [{"prompt_token_ids": list(range(5, 25))}, {"prompt_token_ids": list(range(40, 52))}]
     params = SamplingParams(temperature=0.0, max_tokens=12)
