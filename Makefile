@@ -1,4 +1,4 @@
-.PHONY: setup demo test test-all test-fast lint bench
+.PHONY: setup demo demo-real test test-all test-fast lint bench
 # Ray's anonymous usage stats stay off; vLLM must not reach for a model hub.
 export RAY_USAGE_STATS_ENABLED=0
 export HF_HUB_OFFLINE=1
@@ -8,6 +8,13 @@ setup:
 
 demo: setup
 	.venv/bin/python -m eagle_ray.job.demo --out out/demo
+
+# The real target end to end on 2 cores (README, "The real target"): SmolLM2-135M-Instruct
+# (recipe smollm2_cpu, its defaults) on 400 ShareGPT conversations, 100 training steps, 16
+# held-out prompts; prints one trained-on sample as text and the acceptance report.
+demo-real: setup
+	.venv/bin/python -m eagle_ray.job.demo --recipe smollm2_cpu --sharegpt 400 --out out/demo-real \
+		--set train.max_steps=100 --set evaluate.prompts=16
 
 # CI passes PYTEST_ARGS="-v --durations=30": each test named as it ends, the slowest listed.
 # One test at a time: each integration test already keeps both cores busy (vLLM, Ray
