@@ -92,7 +92,7 @@ def prepare_run(recipe: Recipe, store_dir: str | Path, run_dir: str | Path) -> d
     counts = loss_token_counts(((r["input_ids"], r["loss_mask"]) for r in map(store.raw, train_ids)),
                                arch.target_vocab_size)
     claim_output_dir(run, "train")
-    vocab = _coverage(_init_fields(recipe, run, pub, arch, _vocab_fields(counts, arch), target_dir), counts)
+    vocab = _run_vocab(recipe, run, pub, arch, counts, target_dir)
     info = {"recipe": recipe.to_dict(), "arch": asdict(arch), "store": str(Path(store_dir).resolve()),
             "store_manifest": json.loads(manifest_bytes),
             "store_manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
@@ -119,6 +119,12 @@ def _vocab_fields(counts, arch) -> dict[str, Any]:
     d2t, _ = build_draft_vocab(counts, arch.draft_vocab_size)
     return {"d2t": d2t.tolist(), "most_common_token": int(counts.argmax()),
             "most_common_token_share": float(counts.max() / max(1, counts.sum()))}
+
+
+def _run_vocab(recipe: Recipe, run: Path, pub, arch, counts, target_dir: Path) -> dict[str, Any]:
+    """run.json's vocabulary fields (offline and online runs alike): the data's draft vocabulary
+    or the published drafter's, and how much of the training loss tokens it holds."""
+    return _coverage(_init_fields(recipe, run, pub, arch, _vocab_fields(counts, arch), target_dir), counts)
 
 
 def _coverage(vocab: dict[str, Any], counts) -> dict[str, Any]:
@@ -274,8 +280,7 @@ def prepare_run_online(recipe: Recipe, conversations: str | Path, run_dir: Path,
     train_ids, val_ids = _split(windows, recipe.train.val_fraction)
     counts = loss_token_counts((windows[s][:2] for s in train_ids), arch.target_vocab_size)
     claim_output_dir(run_dir, "train")
-    vocab = _coverage(_init_fields(recipe, run_dir, pub, arch, _vocab_fields(counts, arch), target_dir),
-                      counts)
+    vocab = _run_vocab(recipe, run_dir, pub, arch, counts, target_dir)
     info = {"recipe": recipe.to_dict(), "arch": asdict(arch), "online": True, "store": None,
             "store_manifest": manifest,
             "conversations": str(conv_file), "conversations_sha256": digest,
