@@ -141,6 +141,21 @@ class TracebackFilter:
         return getattr(self._stream, name)
 
 
+def _stop_worker_output() -> None:
+    """Stop printing what Ray forwards from workers (a replica still loading its weights
+    when the signal came), so the stopped line is the console's last. The workers' own logs
+    keep it. Ray 2.60 has no public switch; its driver prints through this dispatcher."""
+    import sys
+
+    if "ray" not in sys.modules:
+        return
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher
+    except ImportError:
+        return
+    global_worker_stdstream_dispatcher.remove_handler("ray_print_logs")
+
+
 def run_for_a_person(fn, prog: str, *, verbose: bool, kept) -> int:
     """Run `fn()` (the CLI command, the job) and return its exit code, as a person should see
     it: tracebacks behind `verbose` (stdout/stderr wrapped in TracebackFilter otherwise, before
@@ -157,6 +172,7 @@ def run_for_a_person(fn, prog: str, *, verbose: bool, kept) -> int:
     try:
         return fn()
     except signals.Stopped as s:
+        _stop_worker_output()
         print(f"{prog}: stopped by {s}; {kept()}", file=sys.stderr)
         return s.exit_code
     except Exception as e:

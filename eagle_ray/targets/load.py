@@ -66,7 +66,12 @@ def load_causal_lm(model_dir: str | Path, *, dtype: str = "float32", revision: s
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    from eagle_ray.common.logs import verbose
+
+    if not verbose():  # transformers' "Loading weights" bar, from every extractor, on the console
+        hf_logging.disable_progress_bar()
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
     path = str(model_dir)
     local = Path(model_dir) / "config.json"
