@@ -119,12 +119,18 @@ def _quiet_source(name: str) -> bool:
     return any(name == q or name.startswith(q + ".") for q in QUIET_SOURCES)
 
 
+FILE_ONLY = "eagle_ray_file_only"
+"""`logger.info(..., extra={FILE_ONLY: True})`: the log file's, not the console's (with -v both)."""
+
+
 class ConsoleFilter(logging.Filter):
     """Our INFO lines, everyone's WARNING+ (but known-harmless sources); all with -v."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if verbose():
             return True
+        if getattr(record, FILE_ONLY, False):
+            return False
         if _own(record.name):
             return record.levelno >= logging.INFO
         if record.levelno >= logging.ERROR:

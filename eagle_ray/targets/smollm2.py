@@ -25,6 +25,8 @@ import logging
 import time
 from pathlib import Path
 
+from eagle_ray.common.logs import FILE_ONLY
+
 logger = logging.getLogger(__name__)
 
 SMOLLM2_VERSION = 1
@@ -73,8 +75,10 @@ def build_smollm2(out: str | Path) -> dict:
     with contextlib.redirect_stderr(held):
         model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
                                                      dtype=torch.float32)
-    if held.getvalue().strip():
-        logger.info("while reading %s: %s", src.name, held.getvalue().strip()[-2000:])
+    said = [line.split("\r")[-1] for line in held.getvalue().strip().splitlines()]
+    if any(said):  # a bar's redraws (\r) down to its last state
+        logger.info("while reading %s: %s", src.name, " | ".join(filter(None, said))[-2000:],
+                    extra={FILE_ONLY: True})
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)  # trap 1
     cfg["architectures"] = ["LlamaForCausalLM"]  # trap 2

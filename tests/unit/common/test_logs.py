@@ -58,11 +58,13 @@ def test_setup_writes_everything_to_the_run_log_and_little_to_the_console(quiet,
     logging.getLogger("somelib.worker").warning("a real warning")
     console = stream.getvalue()
     assert "extract: 3/10 samples" in console and "a real warning" in console
-    assert "chatter" not in console
+    logging.getLogger("eagle_ray.targets").info("a library's bar", extra={logs.FILE_ONLY: True})
+    assert "chatter" not in console and "bar" not in stream.getvalue()
     files = list(log_dir.glob(f"driver-{os.getpid()}.log"))
     assert len(files) == 1
     text = files[0].read_text()
     assert "chatter" in text and "extract: 3/10" in text and "a real warning" in text
+    assert "a library's bar" in text
 
 
 def test_vllm_config_file_is_a_valid_dictconfig_for_every_vllm_process(quiet, tmp_path):
