@@ -31,6 +31,7 @@ import json
 import logging
 import logging.handlers
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -123,6 +124,27 @@ FILE_ONLY = "eagle_ray_file_only"
 """`logger.info(..., extra={FILE_ONLY: True})`: the log file's, not the console's (with -v both)."""
 
 
+# Ray Data's issue detectors (ray/data/_internal/issue_detection, Ray 2.60) re-log the same
+# finding every 30 s while it holds (seen: "Operator 'MapBatches(ExtractUDF)' uses 3.4GiB of
+# memory per worker ... but Ray only requests 3.4GiB", 14 lines, then "Found 1 issues", for
+# the rest of a 20-minute run). The console shows each finding once, its numbers aside; the
+# log file keeps every one.
+ISSUE_DETECTOR_FILE = "issue_detector_manager.py"
+_issues_shown: set[str] = set()
+_issue_summary_shown = [True]  # "Found N issues" follows a finding: shown when that one was
+
+
+def _issue_first_time(record: logging.LogRecord) -> bool:
+    msg = record.getMessage().strip()
+    if re.match(r"Found \d+ issues?\b", msg):
+        return _issue_summary_shown[0]
+    key = re.sub(r"\d[\d.,]*", "#", msg)
+    new = key not in _issues_shown
+    _issues_shown.add(key)
+    _issue_summary_shown[0] = new
+    return new
+
+
 class ConsoleFilter(logging.Filter):
     """Our INFO lines, everyone's WARNING+ (but known-harmless sources); all with -v."""
 
@@ -131,6 +153,8 @@ class ConsoleFilter(logging.Filter):
             return True
         if getattr(record, FILE_ONLY, False):
             return False
+        if record.filename == ISSUE_DETECTOR_FILE:
+            return _issue_first_time(record)
         if _own(record.name):
             return record.levelno >= logging.INFO
         if record.levelno >= logging.ERROR:

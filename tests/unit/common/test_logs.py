@@ -107,3 +107,23 @@ def test_paths_in_a_ray_job_are_the_users(monkeypatch):
     assert logs.display_path("/data/mine.jsonl") == "/data/mine.jsonl"
     monkeypatch.delenv(logs.SUBMITTED_FROM_ENV)
     assert logs.display_path(here + "/x") == here + "/x"
+
+
+def test_a_ray_data_issue_repeated_every_30_s_is_on_the_console_once(quiet):
+    """Ray Data's high-memory detector re-logs its finding every 30 s, numbers changing; the
+    console shows it (and its "Found 1 issues") once, a new finding again; the file all."""
+    f = logs.ConsoleFilter()
+
+    def issue(msg):
+        r = logging.LogRecord("ray.data._internal.issue_detection.issue_detector_manager",
+                              logging.WARNING, "/x/" + logs.ISSUE_DETECTOR_FILE, 79, msg, None, None)
+        return f.filter(r)
+
+    mem = ("\n\nOperator 'MapBatches(ExtractUDF)' uses {}GiB of memory per worker on average "
+           "(up to {}GiB), but Ray only requests 3.4GiB per worker.\nconsider `memory={}`")
+    found = "Found 1 issues. To disable issue detection, run ..."
+    assert issue(mem.format("3.4", "4.0", 5412131840)) and issue(found)
+    assert not issue(mem.format("3.5", "4.2", 5612131840)) and not issue(found)
+    assert issue(mem.replace("ExtractUDF", "GenerateUDF").format("3.4", "4.0", 1)) and issue(found)
+    # other Ray Data warnings are untouched
+    assert f.filter(_rec("ray.data._internal.execution", logging.WARNING))
