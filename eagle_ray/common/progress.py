@@ -90,7 +90,7 @@ class Progress:
         left = max(0, self.total - self.done)
         return 0.0 if left == 0 else (left / r if r > 0 else float("inf"))
 
-    def line(self, extra: str | None = None) -> str:
+    def line(self, extra: str | None = None, *, final: bool = False) -> str:
         elapsed = time.monotonic() - self.t0
         pct = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
         parts = [f"{self.stage}: {self.done:,}/{self.total:,} {self.unit}{pct}",
@@ -102,7 +102,9 @@ class Progress:
         extra = self.extra if extra is None else extra
         if extra:
             parts.append(extra)
-        parts.append(f"ETA {hms(self.eta_s())}" if self.done < self.total
+        # The last line never carries an ETA: a stage can end short of its total (prompts
+        # rejected as too long yield no sample; the caller's summary counts them).
+        parts.append(f"ETA {hms(self.eta_s())}" if self.done < self.total and not final
                      else f"done in {hms(elapsed)}")
         return ", ".join(parts)
 
@@ -129,5 +131,5 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self._logged != self.done or self.done == self.start:
-            self.logger.info("%s", self.line())
+        if self._logged != self.done or self.done == self.start or self.done < self.total:
+            self.logger.info("%s", self.line(final=True))
