@@ -230,6 +230,18 @@ def _quiet_warnings() -> None:
     quiet_known_loggers()
 
 
+# Ray 2.60 warns at every local start once ~/.ray/auth_token exists: "Token authentication
+# is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out." It says security is
+# on (the cluster eagle_ray started is protected) and suggests turning it off: dropped. Its
+# opposite, "Token authentication is disabled ... Anyone with network access ...", stays.
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+class _DropAuthEnabled(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
+
 def quiet_known_loggers() -> None:
     """QUIET_LOGGERS to ERROR and Ray Train's report logger to WARNING in this process (not
     with -v). Also called by the vLLM plugin in the processes vLLM spawns (engine cores), which
@@ -238,6 +250,9 @@ def quiet_known_loggers() -> None:
         return
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    auth = logging.getLogger(RAY_AUTH_LOGGER)
+    if not any(isinstance(f, _DropAuthEnabled) for f in auth.filters):
+        auth.addFilter(_DropAuthEnabled())
     train_report = _ray_train_report_logger()
     if train_report:
         logging.getLogger(train_report).setLevel(logging.WARNING)

@@ -127,3 +127,16 @@ def test_a_ray_data_issue_repeated_every_30_s_is_on_the_console_once(quiet):
     assert issue(mem.replace("ExtractUDF", "GenerateUDF").format("3.4", "4.0", 1)) and issue(found)
     # other Ray Data warnings are untouched
     assert f.filter(_rec("ray.data._internal.execution", logging.WARNING))
+
+
+def test_ray_saying_token_auth_is_on_is_dropped_and_saying_it_is_off_is_kept(quiet):
+    logs.quiet_known_loggers()
+    logs.quiet_known_loggers()  # idempotent: one filter
+    lg = logging.getLogger(logs.RAY_AUTH_LOGGER)
+    assert len(lg.filters) == 1
+
+    def shown(msg):
+        return lg.filter(logging.LogRecord(lg.name, logging.WARNING, __file__, 1, msg, None, None))
+
+    assert not shown("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
+    assert shown("Token authentication is disabled for this Ray cluster. Anyone with network access ...")
