@@ -8,7 +8,8 @@ Builds the recipe's extract backend in this process (vLLM's in-process engine, a
 extractor replica runs it), captures `--batches` batches of sequences of random lengths (up to
 `--max-len` tokens, random token ids, a fixed seed: every run sees the same batches), and
 prints a table of this process's memory (RSS, anonymous) every `--every` batches, with the
-growth per captured sample since the first row. Seen in the 2,000-prompt SmolLM2 run: the
+growth per captured sample since the first row. `--trim`: what ExtractUDF does after
+every batch (glibc malloc_trim). Seen in the 2,000-prompt SmolLM2 run: the
 extractor's RSS went 3.7 -> 4.5 GiB over 400 samples, ~2 MB a sample, about one sample's
 features (T x 3 x 576 + T x 576 floats): a leak would match that, an allocator's
 fragmentation would level off.
@@ -40,21 +41,26 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--every", type=int, default=10)
+    p.add_argument("--trim", action="store_true", help="glibc malloc_trim(0) after every batch")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     args = p.parse_args(argv)
 
     import gc
 
-    from eagle_ray.extract.stage import make_backend
+    from eagle_ray.extract.stage import make_backend, release_freed_memory
     from eagle_ray.recipes import load_recipe
     from eagle_ray.targets.resolve import resolve_target_path
 
+    from eagle_ray.vllm.engine import ENGINE_ENV
+
+    os.environ.update(ENGINE_ENV)  # as the extractor actor runs it: the engine core in this process
     recipe = load_recipe(args.recipe, [f"data.max_seq_len={args.max_len}", *args.set])
     backend = make_backend(recipe, str(resolve_target_path(recipe.target)))
     vocab = recipe.target.vocab_size
     rng = random.Random(0)
     allocator = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
-    print(f"recipe {recipe.name}, backend {recipe.extract.backend}, allocator env {allocator or 'none'}")
+    print(f"recipe {recipe.name}, backend {recipe.extract.backend}, allocator env {allocator or 'none'}"
+          f"{', malloc_trim after every batch' if args.trim else ''}")
     print("| batch | samples | tokens | RSS MiB | anonymous MiB | anon growth per sample since row 1 | s |")
     print("|---|---|---|---|---|---|---|")
     first = None
@@ -68,6 +74,8 @@ def main(argv=None) -> int:
         tokens += sum(len(s) for s in seqs)
         del feats
         gc.collect()
+        if args.trim:
+            release_freed_memory()  # what ExtractUDF does after every batch
         if b == 1 or b % args.every == 0:
             m = _mem()
             if first is None:
