@@ -16,6 +16,7 @@ Token/feature alignment for a sample of T tokens (loss on the completion):
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from collections.abc import Mapping
@@ -179,15 +180,21 @@ def release_freed_memory() -> None:
     large frees), so an extractor's RSS grew through a run: 3.5 -> 4.5 GiB from sample 400 to 1,525
     of SmolLM2, past the memory it asks Ray for, and Ray Data warned. Trimming after every
     batch cut the growth from ~1.3 to ~0.3 MiB a sample (`bench/bench_capture_memory.py`)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, looked up once per process (None where there is none)."""
     import ctypes
     import ctypes.util
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        return
-    trim(0)
+        return None
 
 
 class ExtractUDF:

@@ -75,7 +75,7 @@ def build_smollm2(out: str | Path) -> dict:
     with contextlib.redirect_stderr(held):
         model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
                                                      dtype=torch.float32)
-    said = [line.split("\r")[-1] for line in held.getvalue().strip().splitlines()]
+    said = [line.split("\r")[-1] for line in held.getvalue().strip().split("\n")]
     if any(said):  # a bar's redraws (\r) down to its last state
         logger.info("while reading %s: %s", src.name, " | ".join(filter(None, said))[-2000:],
                     extra={FILE_ONLY: True})
