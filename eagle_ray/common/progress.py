@@ -9,7 +9,12 @@ stage's logger at most every `interval_s`:
 On an interactive terminal it draws a live tqdm bar instead (tqdm already comes with vLLM and
 transformers), and still logs a plain line at the end. Rates count this run's work only:
 samples an earlier run finished (`start`) are in done/total but not in the rate, so a resumed
-run's ETA is not flattered by the work it skipped.
+run's ETA is not flattered by the work it skipped. Units that end without output (a streamed
+run's prompts rejected as too long) are counted by an `ended` callable and said beside done:
+
+    generate+extract: 1,200/2,000 samples, 300 rejected (75%), 1.0 samples/s, ..., ETA 6m40s
+
+so the percentage reaches 100% and the ETA counts only what is still to come.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import logging
 import os
 import sys
 import time
+from typing import Callable
 
 
 def hms(seconds: float) -> str:
@@ -61,9 +67,13 @@ class Progress:
 
     def __init__(self, stage: str, total: int, *, unit: str = "samples", start: int = 0,
                  interval_s: float = 10.0, logger: logging.Logger | None = None,
-                 extra: str = ""):
+                 extra: str = "", ended: Callable[[], int] | None = None, ended_as: str = "rejected"):
         self.stage, self.total, self.unit, self.start = stage, int(total), unit, int(start)
         self.done = self.start
+        # Units of the total that ended without output, so far (earlier runs' included):
+        # polled when a line is drawn, at most once an interval.
+        self._ended, self.ended_as = ended, ended_as
+        self.ended = self.ended_start = int(ended()) if ended is not None else 0
         self.tokens = 0
         self.bytes = 0
         self.extra = extra
@@ -76,7 +86,7 @@ class Progress:
             try:
                 from tqdm import tqdm
 
-                self._bar = tqdm(total=self.total, initial=self.start, unit=f" {unit}",
+                self._bar = tqdm(total=self.total, initial=self.start + self.ended, unit=f" {unit}",
                                  desc=stage, dynamic_ncols=True, leave=False, file=sys.__stderr__)
             except ImportError:
                 self._bar = None
@@ -85,15 +95,24 @@ class Progress:
         """This run's units per second."""
         return (self.done - self.start) / max(1e-9, time.monotonic() - self.t0)
 
+    def _poll_ended(self) -> int:
+        """The `ended` count now (new units only: it never goes back)."""
+        if self._ended is None:
+            return 0
+        before, self.ended = self.ended, max(self.ended, int(self._ended()))
+        return self.ended - before
+
     def eta_s(self) -> float:
-        r = self.rate()
-        left = max(0, self.total - self.done)
+        # Units that ended without output finish too: the ETA's rate counts both.
+        r = (self.done - self.start + self.ended - self.ended_start) / max(1e-9, time.monotonic() - self.t0)
+        left = max(0, self.total - self.done - self.ended)
         return 0.0 if left == 0 else (left / r if r > 0 else float("inf"))
 
     def line(self, extra: str | None = None, *, final: bool = False) -> str:
         elapsed = time.monotonic() - self.t0
-        pct = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
-        parts = [f"{self.stage}: {self.done:,}/{self.total:,} {self.unit}{pct}",
+        ended = f", {self.ended:,} {self.ended_as}" if self.ended else ""
+        pct = f" ({100 * (self.done + self.ended) / self.total:.0f}%)" if self.total else ""
+        parts = [f"{self.stage}: {self.done:,}/{self.total:,} {self.unit}{ended}{pct}",
                  f"{_si(self.rate())} {self.unit}/s"]
         if self.tokens:
             parts.append(f"{_si(self.tokens / max(1e-9, elapsed))} tokens/s")
@@ -104,7 +123,7 @@ class Progress:
             parts.append(extra)
         # The last line never carries an ETA: a stage can end short of its total (prompts
         # rejected as too long yield no sample; the caller's summary counts them).
-        parts.append(f"ETA {hms(self.eta_s())}" if self.done < self.total and not final
+        parts.append(f"ETA {hms(self.eta_s())}" if self.done + self.ended < self.total and not final
                      else f"done in {hms(elapsed)}")
         return ", ".join(parts)
 
@@ -116,7 +135,7 @@ class Progress:
         if extra is not None:
             self.extra = extra
         if self._bar is not None:
-            self._bar.update(int(n))
+            self._bar.update(int(n) + self._poll_ended())
             if self.tokens:
                 self._bar.set_postfix_str(f"{_si(self.tokens / max(1e-9, time.monotonic() - self.t0))} tok/s",
                                           refresh=False)
@@ -124,12 +143,17 @@ class Progress:
         now = time.monotonic()
         if force or now - self._last >= self.interval_s:
             self._last = now
+            self._poll_ended()
             self._logged = self.done
             self.logger.info("%s", self.line())
 
     def close(self) -> None:
+        new = self._poll_ended()
         if self._bar is not None:
+            if new:
+                self._bar.update(new)
             self._bar.close()
             self._bar = None
-        if self._logged != self.done or self.done == self.start or self.done < self.total:
+        if (self._logged != self.done or self.done == self.start
+                or self.done + self.ended < self.total):
             self.logger.info("%s", self.line(final=True))

@@ -145,16 +145,19 @@ def run_extract(recipe: Recipe, conversations: str | Path, store_dir: str | Path
 
 
 def drain_committed(recipe: Recipe, ds, manifest: StoreManifest, label: str, total: int, start: int,
-                    log: logging.Logger) -> tuple[int, int]:
+                    log: logging.Logger, ended=None) -> tuple[int, int]:
     """Run an extraction dataset to its end, counting, recording (dashboard metrics) and
-    reporting progress of the committed rows it yields: (samples, tokens) this run."""
+    reporting progress of the committed rows it yields: (samples, tokens) this run.
+    `ended`: a callable counting the samples of `total` that will never commit (a streamed
+    run's rejected generations), shown beside the committed ones."""
     from eagle_ray.common.progress import Progress
     from eagle_ray.ops.metrics import record_committed
     from eagle_ray.plan.budget import store_bytes_per_token
 
     n = n_tok = 0
     per_tok = store_bytes_per_token(recipe.target, recipe.storage.dtype)
-    prog = Progress(label, total, start=start, interval_s=recipe.generate.progress_interval_s, logger=log)
+    prog = Progress(label, total, start=start, interval_s=recipe.generate.progress_interval_s, logger=log,
+                    ended=ended)
     for rows in ds.iter_batches(batch_format="pyarrow", batch_size=None):
         n += rows.num_rows
         tok = pc.sum(rows.column("num_tokens")).as_py() or 0

@@ -134,10 +134,13 @@ def _stream(recipe: Recipe, prompts: Path, parts_dir: Path, store: Path, model_d
         ds = separate_dataset(recipe, prompts, parts_dir, store, model_dir, manifest, generated, skip,
                               leftover, n_todo, n_left)
     from eagle_ray.extract.run import drain_committed
+    from eagle_ray.stream.parts import RejectedRows
 
-    # The progress counts committed samples: N a prompt, or N a turn (data.train_turns=all).
+    # The progress counts committed samples (N a prompt, or N a turn: data.train_turns=all)
+    # and, beside them, the rejected ones the parts hold: both finish the total.
     n_ext, n_tok = drain_committed(recipe, ds, manifest, "generate+extract",
-                                   expected_samples(recipe, prompts), len(committed), logger)
+                                   expected_samples(recipe, prompts), len(committed), logger,
+                                   ended=RejectedRows(parts_dir))
     compact_parts(parts_dir, blocking=False)
     n_gen = len(done_prompts(parts_dir)) - len(generated)
     return n_gen, n_ext, n_tok, len(committed)

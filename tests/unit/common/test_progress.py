@@ -32,3 +32,53 @@ def test_line_counts_this_runs_rate_and_eta(monkeypatch, caplog):
     now[0] = 140.0
     p.update(480, force=True)
     assert p.eta_s() == 0 and "done in 40s" in p.line()
+
+
+def test_units_that_end_without_output_finish_the_total_and_the_eta(monkeypatch, caplog):
+    """A streamed run of 2,000 prompts where 374 are rejected as too long: they count toward
+    the percentage and the ETA (said beside done), so the run reaches 100%, and an earlier
+    run's rejects are not in this run's rate."""
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    monkeypatch.setenv("EAGLE_RAY_PLAIN_PROGRESS", "1")
+    rejected = [100]  # an earlier run's
+    p = Progress("generate+extract", 2000, start=400, interval_s=10, logger=logging.getLogger("eagle_ray.t"),
+                 ended=lambda: rejected[0])
+    with caplog.at_level(logging.INFO, logger="eagle_ray.t"):
+        now[0] = 100.0
+        rejected[0] = 200
+        p.update(400)  # this run: 400 committed + 100 rejected in 100 s -> 5 finished a second
+        assert p.ended == 200
+        # 2,000 - 800 committed - 200 rejected = 1,000 to go at 5/s
+        assert p.eta_s() == 200
+        now[0] = 400.0
+        rejected[0] = 374
+        p.update(826)
+        p.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("generate+extract: 800/2,000 samples, 200 rejected (50%), 4.0 samples/s")
+    assert lines[0].endswith("ETA 3m20s")
+    assert lines[-1].startswith("generate+extract: 1,626/2,000 samples, 374 rejected (100%)")
+    assert lines[-1].endswith("done in 6m40s")
+
+
+def test_rejected_rows_counts_the_live_parts_once_each(tmp_path):
+    """The streamed run's counter: non-ok rows of the live generation parts, each file read
+    once; what is not a part is not counted."""
+    import pyarrow as pa
+
+    from eagle_ray.common.atomic import atomic_write_parquet
+    from eagle_ray.stream.parts import RejectedRows
+
+    def part(name, statuses):
+        atomic_write_parquet(tmp_path / name, pa.table({"sample_id": [f"{name}-{i}" for i in range(len(statuses))],
+                                                       "status": statuses}))
+
+    count = RejectedRows(tmp_path)
+    assert count() == 0
+    part("part-1.parquet", ["ok", "rejected", "ok"])
+    part("part-2.parquet", ["rejected", "rejected"])
+    assert count() == 3
+    (tmp_path / "broken.tmp").write_text("not a part")
+    part("part-3.parquet", ["ok"])
+    assert count() == 3
