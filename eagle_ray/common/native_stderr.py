@@ -8,10 +8,13 @@ run today, on every Ray Data actor pool and on Ray Train's PreemptionWatcher:
     [... E 11550 11550] core_worker.cc:2465: Actor with class name: 'MapWorker(...)' ...
     has constructor arguments in the object store and max_restarts > 0. ...
 
-(ray-project/ray#57733, open.) Nothing in eagle_ray can stop Ray printing it, so
+(ray-project/ray#57733, open.) The driver also prints, on its stderr, what the raylet
+writes to raylet.err (Ray's log monitor): its note that more Python workers started at once
+than the node has CPUs is expected when `eagle-ray curve` trains its fractions side by side.
+Nothing in eagle_ray can stop Ray printing these, so
 `install(log_dir)` puts a filter between this process's file descriptor 2 and where it
 pointed: a small child process (this module's `main`) reads every byte written to fd 2 and
-passes it on unchanged, except whole lines matching `KNOWN`, which go to
+passes it on unchanged, except whole lines matching `KNOWN` (or all of a `KNOWN_ALL` entry), which go to
 OUT/logs/native-stderr-<pid>.log with the reason. Crash output is safe: the filter is a
 separate process that ignores SIGINT/SIGTERM and runs until the last writer has closed the
 pipe, so a traceback, a C++ abort or a fatal signal's dump printed as this process dies still
@@ -35,6 +38,15 @@ KNOWN = {
         "(ray-project/ray#57733); their constructor arguments live as long as the driver, and "
         "an actor that could not restart would fail the stage loudly, not silently",
 }
+# Lines known by several substrings at once (all present) -> why.
+KNOWN_ALL = {
+    # Ray repeats it at 2x, 4x, 6x, ... the node's CPUs, one line each.
+    ("(raylet)", "PYTHON worker processes have been started", "x the maximum expected startup concurrency"):
+        "the raylet counts Python workers starting at once against the node's CPUs; "
+        "`eagle-ray curve` starts its fractions' trainings side by side and Ray Data pools "
+        "ask for fractional CPUs, on purpose: the workers start (more slowly) and nothing waits "
+        "on them wrongly",
+}
 
 _state: dict = {}
 
@@ -43,6 +55,9 @@ def known(line: bytes) -> str | None:
     text = line.decode("utf-8", "replace")
     for needle, why in KNOWN.items():
         if needle in text:
+            return why
+    for needles, why in KNOWN_ALL.items():
+        if all(n in text for n in needles):
             return why
     return None
 

@@ -51,3 +51,19 @@ def test_output_written_before_a_kill_still_reaches_the_console(tmp_path):
     assert p.returncode == -signal.SIGKILL
     assert b"last words" in p.stderr
 
+
+
+def test_the_raylets_startup_concurrency_note_is_known_at_any_multiple():
+    """`eagle-ray curve` starts its trainings side by side; the raylet's note about it (as
+    the driver prints it, colour codes and dedup suffix included) goes to the log."""
+    from eagle_ray.common.native_stderr import known
+
+    for times in (4, 6):
+        line = (f"\x1b[33m(raylet)\x1b[0m WARNING: {2 * times} PYTHON worker processes have been started "
+                f"on node: 3e33 with address: 192.0.2.2, which is {times}x the maximum expected startup "
+                "concurrency (2). This could be a result of using a large number of actors, tasks blocked "
+                "in ray.get() calls, or tasks with fractional CPU requests (e.g., num_cpus=0.1) allowing "
+                "high concurrency. See https://github.com/ray-project/ray/issues/3644 for some discussion "
+                "of workarounds.\x1b[32m [repeated 2x across cluster]\x1b[0m")
+        assert known(line.encode()) and "curve" in known(line.encode())
+    assert known(b"(raylet) WARNING: the node is running low on memory") is None
