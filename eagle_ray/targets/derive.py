@@ -12,8 +12,12 @@ For a target no built-in recipe names. Reads only config.json and the weight fil
               (num_key_value_heads) and head width (head_dim when it is the attention's:
               hidden / heads otherwise); MLP width, rope and norm eps come from the target
               config at build time (train/run.drafter_arch); draft vocabulary
-              min(32,000, vocab): training keeps the most frequent target tokens of the data
-              (model/vocab.py), so a vocabulary smaller than that is the data's to fill
+              min(32,000, vocab) and 7 TTT steps (the published drafters') on a GPU; on the
+              CPU min(8,192, vocab) and 3 TTT steps, which the defaults study measured best
+              at a CPU's training budget on the real target (README, "The defaults study":
+              +0.10 acceptance at equal training time); training keeps the most frequent
+              target tokens of the data (model/vocab.py), so a vocabulary smaller than that
+              is the data's to fill
     engine    GPU: tensor parallel = the smallest power of two whose GPUs hold the weights
               with the KV cache's share of memory left over, 8 // TP replicas a node, and a
               whole-node target (TP 8) colocated (one engine generates, then captures); CPU
@@ -37,6 +41,10 @@ from eagle_ray.config import (DrafterConfig, EngineConfig, ExtractConfig, Genera
 
 AUTO = "auto"
 MAX_DRAFT_VOCAB = 32000
+# On the CPU (hours of training on a few cores), measured on SmolLM2-135M by
+# bench/study_defaults.py: at equal training time these beat 32,000 / 7 by ~0.10 acceptance.
+CPU_DRAFT_VOCAB = 8192
+CPU_TTT_STEPS = 3
 
 
 def is_target_dir(name: str) -> bool:
@@ -109,6 +117,8 @@ def recipe_from_target(model_dir: str | Path, cpu_base: Recipe, *, gpu_bytes: in
     if gpu is None:  # the CPU recipes' engine, pools and schedule
         engine = r(base.engine, language_model_only=text_only,
                    attention_backend="CPU_MLA" if mla else None)  # as tiny_kimi_cpu pins it
+        drafter = r(drafter, draft_vocab_size=min(CPU_DRAFT_VOCAB, text["vocab_size"]),
+                    ttt_steps=CPU_TTT_STEPS)
         return r(base, name=AUTO, target=target, drafter=drafter, engine=engine)
     tp = tensor_parallel_for(_weights_bytes(d), gpu)
     whole_node = tp == 8  # one engine per node generates, then captures (colocated)

@@ -88,3 +88,17 @@ def test_cli_prints_the_derived_recipe_and_its_check(tiny_target_dir):
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["target"]["path"] == str(tiny_target_dir.resolve())
     assert "derived recipe matches the checkpoint" in p.stderr
+
+
+def test_on_the_cpu_the_drafter_is_what_the_defaults_study_measured_best(tmp_path):
+    """A CPU machine trains for hours on a few cores: draft vocabulary 8,192 and 3 TTT steps
+    (the study's winners at equal training time on SmolLM2); a GPU keeps the published 32,000
+    and 7. SmolLM2's recipe is exactly the derivation's drafter."""
+    from eagle_ray.recipes import smollm2_cpu
+
+    d = _big(tmp_path, 16)
+    cpu, gpu = recipe_from_target(d, gpu_bytes=None), recipe_from_target(d, gpu_bytes=141 * 10**9)
+    assert (cpu.drafter.draft_vocab_size, cpu.drafter.ttt_steps) == (8192, 3)
+    assert (gpu.drafter.draft_vocab_size, gpu.drafter.ttt_steps) == (32000, 7)
+    s = smollm2_cpu().drafter
+    assert (s.draft_vocab_size, s.ttt_steps) == (8192, 3)
