@@ -163,22 +163,24 @@ def smollm2_cpu() -> Recipe:
 
     The recipe `--recipe DIR` derives from its checkpoint (targets/derive.py: Llama, 30
     layers, hidden 576, 9 heads / 3 KV heads of 64, MLP 1536, vocabulary 49,152, on the CPU
-    a draft vocabulary of 8,192 and 3 TTT steps: what the defaults study measured best on
-    it), named by the alias so listing recipes builds nothing; with the CPU engine of
+    a draft vocabulary of 8,192, 1 TTT step and a constant learning rate: what the defaults
+    study measured best on it), named by the alias so listing recipes builds nothing; with the CPU engine of
     tiny_cpu, chat-length sequences, and SmolLM2's own sampling (its checkpoint names none:
     vLLM's neutral 1.0 / 1.0) as the serving profile.
     """
-    from eagle_ray.targets.derive import CPU_DRAFT_VOCAB, CPU_TTT_STEPS
+    from eagle_ray.targets.derive import CPU_DRAFT_VOCAB, CPU_LR_SCHEDULE, CPU_TTT_STEPS
     from eagle_ray.targets.smollm2 import SMOLLM2_ARCH, SMOLLM2_HEAD_DIM, SMOLLM2_KV_HEADS
 
     cpu = tiny_cpu()
     r = dataclasses.replace
     return r(cpu, name="smollm2_cpu", target=TargetConfig(path=SMOLLM2_ALIAS, **SMOLLM2_ARCH),
              data=r(cpu.data, max_seq_len=1024),
-             # Draft vocabulary 8,192 and 3 TTT steps, set by bench/study_defaults.py on this
+             train=r(cpu.train, lr_schedule=CPU_LR_SCHEDULE),
+             # Draft vocabulary 8,192 and 1 TTT step, set by bench/study_defaults.py on this
              # target (README, "The defaults study"): at equal training time on 2 cores the
-             # GPU recipes' 32,000 and 7 steps lose ~0.10 of acceptance; 2,048 wins early but
-             # holds only 78% of the loss tokens, a ceiling near n-gram's acceptance.
+             # GPU recipes' 32,000 and 7 steps lose ~0.10 of acceptance and 3 steps lose 0.07
+             # as served to 1; 2,048 wins early but holds only 78% of the loss tokens, a
+             # ceiling near n-gram's acceptance.
              drafter=DrafterConfig(draft_vocab_size=CPU_DRAFT_VOCAB, ttt_steps=CPU_TTT_STEPS,
                                    num_key_value_heads=SMOLLM2_KV_HEADS, head_dim=SMOLLM2_HEAD_DIM),
              serve=ServeConfig(source="the checkpoint's generation_config.json (none given: vLLM's "
