@@ -4,6 +4,8 @@ On a training run's held-out split (the run's own, split by conversation), the s
 accuracy (the drafter's argmax equals the target's greedy next token, column t drafting
 x_{t+2}; eagle_ray/model/drafter.py has the alignment) of:
 
+    the store's token   how often the token the store sampled (at the serving profile) is
+                     the target's greedy one: how broad the target's distribution is
     unigram          the training split's most common greedy target token, everywhere
     bigram           the greedy target token most often seen after the token input x_{t+1}
                      in the training split (what a drafter that ignores the features can
@@ -32,32 +34,36 @@ import torch
 
 
 def _columns(store, sid: str, head: torch.Tensor):
-    """(token input x_{t+1}, greedy target token of position t+1) at the valid columns t."""
+    """(token input x_{t+1}, greedy target token of position t+1, the store's token x_{t+2})
+    at the valid columns t."""
     s = store.get(sid)
     x, mask, final = s["input_ids"].long(), s["loss_mask"].bool(), s["final"].float()
     t = torch.arange(len(x) - 2)
     t = t[mask[t + 2]]  # column t is valid iff x_{t+2} is a loss token
-    return x[t + 1], (final[t + 1] @ head.T).argmax(-1)
+    return x[t + 1], (final[t + 1] @ head.T).argmax(-1), x[t + 2]
 
 
 def ngram_rows(store, train_ids: list[str], val_ids: list[str], head: torch.Tensor) -> list[tuple[str, float, int]]:
     counts: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     uni: collections.Counter = collections.Counter()
     for sid in train_ids:
-        a, b = _columns(store, sid, head)
+        a, b, _ = _columns(store, sid, head)
         for i, j in zip(a.tolist(), b.tolist()):
             counts[i][j] += 1
             uni[j] += 1
     top = uni.most_common(1)[0][0]
     best = {i: c.most_common(1)[0][0] for i, c in counts.items()}
-    n = hit_bi = hit_uni = 0
+    n = hit_bi = hit_uni = hit_sampled = 0
     for sid in val_ids:
-        a, b = _columns(store, sid, head)
-        for i, j in zip(a.tolist(), b.tolist()):
+        a, b, y = _columns(store, sid, head)
+        for i, j, k in zip(a.tolist(), b.tolist(), y.tolist()):
             n += 1
             hit_bi += best.get(i, top) == j
             hit_uni += top == j
-    return [("unigram", hit_uni / max(1, n), n), ("bigram (token input only)", hit_bi / max(1, n), n)]
+            hit_sampled += k == j
+    # How broad the target is where the store sampled it: its own token is its greedy one.
+    return [("the store's (sampled) token", hit_sampled / max(1, n), n), ("unigram", hit_uni / max(1, n), n),
+            ("bigram (token input only)", hit_bi / max(1, n), n)]
 
 
 @torch.no_grad()
