@@ -256,8 +256,8 @@ def _device() -> str:
     import torch
 
     return (f"GPU ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available()
-            else "CPU (the tiny target: a drafter step costs about a target step here, so "
-                 "speedups say little about a large target on GPUs)")
+            else "CPU (with a small target on a CPU, drafting costs about as much as a target "
+                 "step, so speedups here say little about a large target on GPUs)")
 
 
 def speedup_text(h: dict[str, Any]) -> str:
