@@ -33,7 +33,7 @@ def main(argv=None) -> int:
         args.set.append(f"train.init_from={args.init_from}")
     from eagle_ray.common import signals
     from eagle_ray.common.errors import run_for_a_person
-    from eagle_ray.common.threads import job_driver_threads
+    from eagle_ray.common.threads import take_driver_threads
 
     signals.install()  # `ray job stop` sends SIGTERM: one line, not an abort
     args.verbose = args.verbose or logs.verbose()
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         log_dir = logs.setup(args.out, verbose_flag=args.verbose)
         if argv is None:  # the job's own process, not a test calling main()
             logs.filter_native_stderr(log_dir)
-        job_driver_threads()  # Ray's job supervisor leaves its entrypoint one CPU thread
+        take_driver_threads()  # Ray's job supervisor leaves its entrypoint one CPU thread
         run_end_to_end(load_recipe(args.recipe, args.set), args.data or SAMPLE_DATA, args.out,
                        online=args.online)
         return 0
