@@ -11,12 +11,10 @@ CPUS = len(os.sched_getaffinity(0))
 pytestmark = pytest.mark.skipif(CPUS < 2, reason="one CPU: nothing to give the driver")
 
 
-def job_env(omp: str | None = "1", runtime_env_vars: dict | None = None) -> dict:
-    env = {JOB_CONFIG_ENV: json.dumps({"runtime_env": {"env_vars": runtime_env_vars or {}},
-                                       "metadata": {}})}
-    if omp is not None:
-        env["OMP_NUM_THREADS"] = omp
-    return env
+def job_env(omp: str = "1", runtime_env_vars: dict | None = None) -> dict:
+    return {JOB_CONFIG_ENV: json.dumps({"runtime_env": {"env_vars": runtime_env_vars or {}},
+                                        "metadata": {}}),
+            "OMP_NUM_THREADS": omp}
 
 
 def test_a_job_driver_left_one_thread_by_ray_takes_its_cpus():
